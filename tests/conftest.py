@@ -1,0 +1,55 @@
+import os
+
+# 8 CPU devices for mesh tests; must be set before JAX is imported anywhere.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+
+
+def _hf_model(kind: str):
+  import transformers as tf
+  torch.manual_seed(0)
+  if kind == "qwen2":
+    cfg = tf.Qwen2Config(**TINY, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True)
+    model = tf.Qwen2ForCausalLM(cfg)
+  elif kind == "qwen3":
+    cfg = tf.Qwen3Config(**TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                         tie_word_embeddings=False)
+    model = tf.Qwen3ForCausalLM(cfg)
+  elif kind == "llama":
+    cfg = tf.LlamaConfig(**TINY, num_attention_heads=8, num_key_value_heads=2,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 16},
+                         rope_theta=500000.0, max_position_embeddings=256)
+    model = tf.LlamaForCausalLM(cfg)
+  else:
+    raise ValueError(kind)
+  # Random biases/norm weights so that a mix-up of them cannot hide.
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("bias") or "norm" in name:
+        p.add_(0.1 * torch.randn_like(p))
+  return model.eval()
+
+
+@pytest.fixture(scope="session", params=["qwen2", "qwen3", "llama"])
+def hf_checkpoint(request, tmp_path_factory):
+  """(kind, transformers model, directory with config.json + model.safetensors)."""
+  model = _hf_model(request.param)
+  path = tmp_path_factory.mktemp(request.param)
+  model.save_pretrained(str(path))
+  return request.param, model, str(path)
+
+
+@pytest.fixture(scope="session")
+def rng():
+  return np.random.RandomState(0)

@@ -1,0 +1,63 @@
+"""ConfigDict defaults and validation. The returned config is locked: an unknown key is an error
+that names the key (`--config.model.hiden_size=...` fails instead of being silently ignored)."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from tlt_jax.model.transformer import ModelConfig, RopeScaling
+
+
+def default_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.numerics = "xla"  # "xla" | "batch_invariant"
+  c.model = ml_collections.ConfigDict(dict(
+      hf_dir="",  # a config.json + safetensors directory; when set, the fields below are ignored
+      arch="qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_eps=1e-6,
+      tie_embeddings=True, dtype="float32"))
+  c.lora = ml_collections.ConfigDict(dict(
+      rank=8, alpha=32.0,
+      targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, model=1))
+  c.generate = ml_collections.ConfigDict(dict(max_new_tokens=16, temperature=0.0, num_slots=64))
+  c.lock()
+  return c
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  problems = []
+  if c.numerics not in ("xla", "batch_invariant"):
+    problems.append(f"numerics={c.numerics!r} must be 'xla' or 'batch_invariant'")
+  m = c.model
+  if m.num_heads <= 0 or m.hidden_size % max(m.num_heads, 1) and not m.head_dim:
+    problems.append(f"model.hidden_size={m.hidden_size} is not divisible by "
+                    f"model.num_heads={m.num_heads}")
+  if m.num_kv_heads <= 0 or m.num_heads % max(m.num_kv_heads, 1):
+    problems.append(f"model.num_heads={m.num_heads} is not a multiple of "
+                    f"model.num_kv_heads={m.num_kv_heads}")
+  if c.lora.rank < 0:
+    problems.append(f"lora.rank={c.lora.rank} must be >= 0 (0 = full fine-tuning)")
+  if sum(v == -1 for v in (c.mesh.data, c.mesh.fsdp, c.mesh.model)) > 1:
+    problems.append("at most one of mesh.data / mesh.fsdp / mesh.model may be -1")
+  if problems:
+    raise ValueError("invalid config: " + "; ".join(problems))
+
+
+def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
+  """The ModelConfig the config describes (from model.hf_dir's config.json when set)."""
+  validate(c)
+  m = c.model
+  if m.hf_dir:
+    from tlt_jax.model import hf
+    return hf.load_config(m.hf_dir, dtype=m.dtype)
+  return ModelConfig(arch=m.arch, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                     intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+                     num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                     rope_theta=m.rope_theta, rms_eps=m.rms_eps,
+                     tie_embeddings=m.tie_embeddings, qkv_bias=m.arch == "qwen2",
+                     qk_norm=m.arch == "qwen3", dtype=m.dtype)
+
+
+__all__ = ["default_config", "validate", "model_config", "RopeScaling"]

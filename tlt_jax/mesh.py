@@ -1,0 +1,133 @@
+"""Meshes from config, logical-axis rules from parameter names, shardings, sub-meshes.
+
+Parameters get logical axes from their path (`PARAM_LOGICAL_AXES`), logical axes map to mesh
+axes (`LOGICAL_TO_MESH`). A dimension that the mesh axes do not divide is replicated: that
+fallback is part of the rules (`param_spec`), so tests can state exactly what each spec is.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "model")
+
+# (regex on the '/'-joined NNX path, logical axes of the array). First match wins.
+PARAM_LOGICAL_AXES: tuple[tuple[str, tuple], ...] = (
+    (r"embed_tokens/embedding$", ("vocab", "embed")),
+    (r"lm_head/(base/)?kernel$", ("embed", "vocab")),
+    (r"(q_proj|k_proj|v_proj)/(base/)?kernel$", ("embed", "heads")),
+    (r"(q_proj|k_proj|v_proj)/(base/)?bias$", ("heads",)),
+    (r"o_proj/(base/)?kernel$", ("heads", "embed")),
+    (r"(gate_proj|up_proj)/(base/)?kernel$", ("embed", "mlp")),
+    (r"down_proj/(base/)?kernel$", ("mlp", "embed")),
+    # LoRA: A follows the input axis of its base, B the output axis; the rank is replicated.
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/lora_a$", ("embed", None)),
+    (r"(o_proj)/lora_a$", ("heads", None)),
+    (r"(down_proj)/lora_a$", ("mlp", None)),
+    (r"lm_head/lora_a$", ("embed", None)),
+    (r"(q_proj|k_proj|v_proj)/lora_b$", (None, "heads")),
+    (r"(gate_proj|up_proj)/lora_b$", (None, "mlp")),
+    (r"(o_proj|down_proj)/lora_b$", (None, "embed")),
+    (r"lm_head/lora_b$", (None, "vocab")),
+    (r"(norm|layernorm)/weight$", (None,)),
+)
+
+LOGICAL_TO_MESH: dict[str | None, str | tuple[str, ...] | None] = {
+    "vocab": "model", "embed": "fsdp", "heads": "model", "mlp": "model", None: None,
+    "batch": ("data", "fsdp"),
+}
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, model: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A (data, fsdp, model) mesh; one size may be -1 (= the remaining devices)."""
+  devices = list(devices if devices is not None else jax.devices())
+  sizes = [data, fsdp, model]
+  if sizes.count(-1) > 1:
+    raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} model={model}")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if len(devices) % known:
+      raise ValueError(f"{len(devices)} devices are not divisible by the fixed mesh axes ({known})")
+    sizes[sizes.index(-1)] = len(devices) // known
+  if math.prod(sizes) != len(devices):
+    raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x model={sizes[2]} needs "
+                     f"{math.prod(sizes)} devices, {len(devices)} available")
+  return Mesh(np.array(devices).reshape(sizes), MESH_AXES)
+
+
+def mesh_from_config(mesh_cfg, devices=None) -> Mesh:
+  return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.model, devices)
+
+
+def sub_mesh(mesh: Mesh, devices: Sequence[jax.Device], *, data: int = -1, fsdp: int = 1,
+             model: int = 1) -> Mesh:
+  """A mesh with the same axis names over a subset of `mesh`'s devices (e.g. for the drafter)."""
+  outside = [d for d in devices if d not in set(mesh.devices.flat)]
+  if outside:
+    raise ValueError(f"devices {outside} are not in the mesh")
+  return make_mesh(data, fsdp, model, devices)
+
+
+def data_group_devices(mesh: Mesh, index: int) -> list[jax.Device]:
+  """The devices of one data-parallel group (one index along `data`)."""
+  return list(mesh.devices[index].flat)
+
+
+def logical_axes(path: str) -> tuple:
+  for pattern, axes in PARAM_LOGICAL_AXES:
+    if re.search(pattern, path):
+      return axes
+  raise KeyError(f"no logical-axis rule for parameter {path!r}")
+
+
+def param_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
+  axes = logical_axes(path)
+  if len(axes) != len(shape):
+    raise ValueError(f"rule for {path!r} has {len(axes)} axes, the array has shape {shape}")
+  spec = []
+  for dim, logical in zip(shape, axes):
+    mesh_axis = LOGICAL_TO_MESH[logical]
+    names = (mesh_axis,) if isinstance(mesh_axis, str) else (mesh_axis or ())
+    size = math.prod(mesh.shape[n] for n in names)
+    if mesh_axis is None or size == 1 or dim % size:
+      spec.append(None)  # unsharded, or not divisible: replicate this dimension
+    else:
+      spec.append(mesh_axis)
+  return P(*spec)
+
+
+def _path_str(path) -> str:
+  parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+  return "/".join(p for p in parts if p not in (".value", "value"))
+
+
+def param_shardings(state, mesh: Mesh):
+  """NamedShardings for an `nnx.state(model)` pytree, from the rules."""
+  def one(path, leaf):
+    return NamedSharding(mesh, param_spec(_path_str(path), leaf.shape, mesh))
+  return jax.tree_util.tree_map_with_path(one, state)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+  """Places every parameter of `model` on `mesh` per the rules (in place); returns the model."""
+  state = nnx.state(model)
+  shardings = param_shardings(state, mesh)
+  nnx.update(model, jax.device_put(state, shardings))
+  return model
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+  """Leading (batch) axis over data x fsdp; the rest replicated."""
+  return NamedSharding(mesh, P(LOGICAL_TO_MESH["batch"], *([None] * (ndim - 1))))
+
+
+def shard_batch(x: jax.Array, mesh: Mesh) -> jax.Array:
+  return jax.device_put(x, batch_sharding(mesh, x.ndim))
