@@ -23,7 +23,7 @@ def _tokens(shape, seed=0):
 def _randomise_b(model, seed=1):
   key = jax.random.key(seed)
   for i, mod in enumerate(lora.lora_modules(model).values()):
-    mod.lora_b.value = 0.05 * jax.random.normal(jax.random.fold_in(key, i), mod.lora_b[...].shape)
+    mod.lora_b.set_value(0.05 * jax.random.normal(jax.random.fold_in(key, i), mod.lora_b[...].shape))
 
 
 def test_zero_b_is_bitwise_identity(hf_checkpoint):

@@ -186,6 +186,8 @@ def _load_file_any_dtype(path: str) -> dict[str, np.ndarray]:
 
 def _get_path(tree, path):
   for p in path:
+    if p not in tree and "base" in tree:  # a LoRALinear: the HF tensor is its base weight
+      tree = tree["base"]
     tree = tree[p]
   return tree
 
@@ -211,13 +213,13 @@ def load_params_into(model: Transformer, tensors: dict[str, np.ndarray], *,
     value = tensors[name]
     value = value.T if transpose else value
     var = _get_path(state, path)
-    if value.shape != var.value.shape:
-      want = var.value.shape[::-1] if transpose else var.value.shape
+    if value.shape != var.get_value().shape:
+      want = var.get_value().shape[::-1] if transpose else var.get_value().shape
       raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
                             f"the model expects {tuple(want)}")
     staged.append((var, value))
   for var, value in staged:
-    var.value = jnp.asarray(value, dtype=var.value.dtype)
+    var.set_value(jnp.asarray(value, dtype=var.get_value().dtype))
   nnx.update(model, state)
 
 
@@ -234,7 +236,7 @@ def hf_tensors(model: Transformer, *, dtype=None) -> dict[str, np.ndarray]:
   state = nnx.state(model, nnx.Param)
   out = {}
   for name, (path, transpose) in hf_param_map(model.cfg).items():
-    value = np.asarray(_get_path(state, path).value)
+    value = np.asarray(_get_path(state, path).get_value())
     if dtype is not None:
       value = value.astype(dtype)
     out[name] = np.ascontiguousarray(value.T if transpose else value)

@@ -163,7 +163,7 @@ def import_peft(model: Transformer, adapter_dir: str, *, seed: int = 0) -> Trans
       if value.shape != want:
         raise ValueError(f"{adapter_dir}: tensor {tname!r} has shape {value.T.shape}, the model "
                          f"expects {want[::-1]}")
-      getattr(mod, attr).value = jnp.asarray(value, getattr(mod, attr)[...].dtype)
+      getattr(mod, attr).set_value(jnp.asarray(value, getattr(mod, attr)[...].dtype))
   if tensors:
     raise ValueError(f"{adapter_dir}: unexpected tensor(s) {sorted(tensors)[:5]}")
   return model
@@ -187,5 +187,5 @@ def load_lora(model: Transformer, path: str) -> Transformer:
       have = getattr(mod, attr)[...].shape
       if value.shape != have:
         raise ValueError(f"{path}: tensor {tname!r} has shape {value.T.shape}, expected {have[::-1]}")
-      getattr(mod, attr).value = jnp.asarray(value, getattr(mod, attr)[...].dtype)
+      getattr(mod, attr).set_value(jnp.asarray(value, getattr(mod, attr)[...].dtype))
   return model
