@@ -153,20 +153,29 @@ def import_peft(model: Transformer, adapter_dir: str, *, seed: int = 0) -> Trans
   tensors = safetensors.numpy.load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
   # PEFT saves without the adapter name; some tools keep '.default'.
   tensors = {k.replace(".default.", "."): v for k, v in tensors.items()}
+  _fill_lora(model, tensors, adapter_dir)
+  return model
+
+
+def _fill_lora(model: Transformer, tensors: dict[str, np.ndarray], source: str) -> None:
+  """Checks every adapter tensor against the model, then assigns (PEFT layouts -> ours)."""
+  tensors = dict(tensors)
+  staged = []
   for name, mod in lora_modules(model).items():
     for attr, key, want in (("lora_a", "lora_A", (mod.d_in, mod.rank)),
                             ("lora_b", "lora_B", (mod.rank, mod.d_out))):
       tname = f"base_model.model.{name}.{key}.weight"
       if tname not in tensors:
-        raise ValueError(f"{adapter_dir}: missing tensor {tname!r}")
+        raise ValueError(f"{source}: missing tensor {tname!r}")
       value = tensors.pop(tname).T
       if value.shape != want:
-        raise ValueError(f"{adapter_dir}: tensor {tname!r} has shape {value.T.shape}, the model "
+        raise ValueError(f"{source}: tensor {tname!r} has shape {value.T.shape}, the model "
                          f"expects {want[::-1]}")
-      getattr(mod, attr).set_value(jnp.asarray(value, getattr(mod, attr)[...].dtype))
+      staged.append((getattr(mod, attr), value))
   if tensors:
-    raise ValueError(f"{adapter_dir}: unexpected tensor(s) {sorted(tensors)[:5]}")
-  return model
+    raise ValueError(f"{source}: unexpected tensor(s) {sorted(tensors)[:5]}")
+  for var, value in staged:
+    var.set_value(jnp.asarray(value, var[...].dtype))
 
 
 def save_lora(model: Transformer, path: str) -> None:
@@ -177,15 +186,5 @@ def save_lora(model: Transformer, path: str) -> None:
 
 
 def load_lora(model: Transformer, path: str) -> Transformer:
-  tensors = safetensors.numpy.load_file(path)
-  for name, mod in lora_modules(model).items():
-    for attr, key in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
-      tname = f"base_model.model.{name}.{key}.weight"
-      if tname not in tensors:
-        raise ValueError(f"{path}: missing tensor {tname!r}")
-      value = tensors[tname].T
-      have = getattr(mod, attr)[...].shape
-      if value.shape != have:
-        raise ValueError(f"{path}: tensor {tname!r} has shape {value.T.shape}, expected {have[::-1]}")
-      getattr(mod, attr).set_value(jnp.asarray(value, getattr(mod, attr)[...].dtype))
+  _fill_lora(model, safetensors.numpy.load_file(path), path)
   return model
