@@ -31,9 +31,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.numerics not in ("xla", "batch_invariant"):
     problems.append(f"numerics={c.numerics!r} must be 'xla' or 'batch_invariant'")
   m = c.model
-  if m.num_heads <= 0 or m.hidden_size % max(m.num_heads, 1) and not m.head_dim:
+  if m.num_heads <= 0:
+    problems.append(f"model.num_heads={m.num_heads} must be positive")
+  elif not m.head_dim and m.hidden_size % m.num_heads:
     problems.append(f"model.hidden_size={m.hidden_size} is not divisible by "
-                    f"model.num_heads={m.num_heads}")
+                    f"model.num_heads={m.num_heads} and no model.head_dim is set")
   if m.num_kv_heads <= 0 or m.num_heads % max(m.num_kv_heads, 1):
     problems.append(f"model.num_heads={m.num_heads} is not a multiple of "
                     f"model.num_kv_heads={m.num_kv_heads}")
