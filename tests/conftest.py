@@ -3,6 +3,10 @@ import os
 # 8 CPU devices for mesh tests; must be set before JAX is imported anywhere.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
+# The whole suite runs with the flags batch-invariant numerics need (no FMA contraction on CPU).
+from tlt_jax import determinism  # noqa: E402
+
+determinism.configure("batch_invariant")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -11,7 +11,9 @@ from tlt_jax.model.transformer import ModelConfig, RopeScaling
 def default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.numerics = "xla"  # "xla" | "batch_invariant"
+  c.numerics = "xla"  # "xla" | "batch_invariant" (see tlt_jax/ops.py)
+  c.numerics_backend = "auto"  # batch_invariant kernels: "auto" | "pallas" | "blocked_jax"
+  c.xla_determinism = True  # run-to-run determinism flags on GPU (tlt_jax/determinism.py)
   c.model = ml_collections.ConfigDict(dict(
       hf_dir="",  # a config.json + safetensors directory; when set, the fields below are ignored
       arch="qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -30,6 +32,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   problems = []
   if c.numerics not in ("xla", "batch_invariant"):
     problems.append(f"numerics={c.numerics!r} must be 'xla' or 'batch_invariant'")
+  if c.numerics_backend not in ("auto", "pallas", "blocked_jax"):
+    problems.append(f"numerics_backend={c.numerics_backend!r} must be 'auto', 'pallas' or "
+                    "'blocked_jax'")
   m = c.model
   if m.num_heads <= 0:
     problems.append(f"model.num_heads={m.num_heads} must be positive")
@@ -63,3 +68,11 @@ def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
 
 
 __all__ = ["default_config", "validate", "model_config", "RopeScaling"]
+
+
+def apply_numerics(c: ml_collections.ConfigDict) -> None:
+  """Sets XLA flags (before JAX starts its backends) and the ops switch from the config."""
+  from tlt_jax import determinism, ops  # noqa: PLC0415
+
+  determinism.configure(c.numerics, c.xla_determinism)
+  ops.set_numerics(c.numerics, c.numerics_backend)

@@ -1,50 +1,115 @@
 """The numerics switch: every reducing op of the model goes through this module.
 
-Two modes, chosen once per process with `set_numerics` (from `config.numerics`):
+Two modes (`config.numerics`):
 - "xla": XLA's own kernels. Fast; results may depend on batch size and on the path (prefill vs
   decode), so sampler and trainer agree only approximately.
-- "batch_invariant": fixed-reduction-order kernels (see `pallas_kernels/`). Not yet wired: the
-  batch-invariant kernels plug in here, and nothing else in the model changes.
+- "batch_invariant": the fixed-reduction-order kernels of `pallas_kernels/`. A row's result
+  does not depend on its batch, its position in the batch, or the path (prefill, decode, verify,
+  trainer forward) that computed it.
 
-Keeping the switch in one place is what makes the contracts testable: LoRA, the drafter and the
-trainer call the same functions as the sampler.
+Two implementations serve "batch_invariant" (`backend`):
+- "pallas": the Pallas kernels (compiled on GPU/TPU, `interpret=True` elsewhere);
+- "blocked_jax": the same fixed-shape blocking replayed in pure JAX with `lax.map`, which is
+  what runs fast on CPU (interpreted Pallas is 10-20x slower there).
+"auto" picks pallas on GPU/TPU and blocked_jax on CPU. Both pass the same contract tests; they are
+not bitwise equal to each other, so one run uses one.
+
+The mode is a JAX config state included in the jit cache key: a function traced under one mode
+is never reused under the other. LoRA, the drafter and the trainer call the same functions as the
+sampler, which is what makes the contracts testable.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
+from jax._src import config as jax_config
+
+from tlt_jax import determinism
+
+from pallas_kernels import attention as attention_kernels
+from pallas_kernels import logsoftmax as logsoftmax_kernels
+from pallas_kernels import matmul as matmul_kernels
+from pallas_kernels import rmsnorm as rmsnorm_kernels
 
 NUMERICS_MODES = ("xla", "batch_invariant")
-_numerics = "xla"
+BACKENDS = ("auto", "pallas", "blocked_jax")
+KV_SPLIT = attention_kernels.KV_SPLIT  # KV caches are padded to a multiple of this
+
+_numerics_state = jax_config.enum_state(
+    "tlt_numerics", list(NUMERICS_MODES), "xla",
+    help="tlt-jax numerics: XLA kernels or batch-invariant kernels.",
+    include_in_jit_key=True, include_in_trace_context=True)
+_backend_state = jax_config.enum_state(
+    "tlt_numerics_backend", list(BACKENDS), "auto",
+    help="Implementation of the batch-invariant kernels.",
+    include_in_jit_key=True, include_in_trace_context=True)
 
 
-def set_numerics(mode: str) -> None:
+def _check(mode: str, backend: str) -> None:
   if mode not in NUMERICS_MODES:
     raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {mode!r}")
+  if backend not in BACKENDS:
+    raise ValueError(f"numerics backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def set_numerics(mode: str, backend: str = "auto") -> None:
+  """Sets the process-wide mode (from `config.numerics`); see `determinism.configure` for flags."""
+  _check(mode, backend)
   if mode == "batch_invariant":
-    raise NotImplementedError(
-        "numerics='batch_invariant' needs the kernels of pallas_kernels/ (not built yet); "
-        "use numerics='xla'")
-  global _numerics
-  _numerics = mode
+    determinism.check_cpu_flags()
+  _numerics_state._set(mode)
+  _backend_state._set(backend)
+
+
+@contextlib.contextmanager
+def numerics_mode(mode: str, backend: str = "auto"):
+  """Runs a block under another mode (tests and benchmarks compare both in one process)."""
+  _check(mode, backend)
+  if mode == "batch_invariant":
+    determinism.check_cpu_flags()
+  with _numerics_state(mode), _backend_state(backend):
+    yield
 
 
 def numerics() -> str:
-  return _numerics
+  return _numerics_state.value
+
+
+def backend() -> str:
+  """The implementation in use: "xla", "pallas" or "blocked_jax"."""
+  if _numerics_state.value == "xla":
+    return "xla"
+  chosen = _backend_state.value
+  if chosen == "auto":
+    return "pallas" if jax.default_backend() in ("gpu", "tpu") else "blocked_jax"
+  return chosen
 
 
 def matmul(x_NxK: jax.Array, w_KxM: jax.Array) -> jax.Array:
   """x @ w over the last axis of x; leading axes of x are flattened into rows."""
-  return jnp.matmul(x_NxK, w_KxM)
+  impl = backend()
+  if impl == "xla":
+    return jnp.matmul(x_NxK, w_KxM)
+  *lead, K = x_NxK.shape
+  rows = x_NxK.reshape(-1, K)
+  if impl == "pallas":
+    out = matmul_kernels.matmul_pallas(rows, w_KxM)
+  else:
+    out = matmul_kernels.matmul_blocked_jax(rows, w_KxM)
+  return out.reshape(*lead, w_KxM.shape[1])
 
 
 def rms_norm(x: jax.Array, weight_D: jax.Array, eps: float) -> jax.Array:
   """RMSNorm over the last axis, computed in f32 and cast back (as HF does)."""
-  x32 = x.astype(jnp.float32)
-  variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-  normed = x32 * jax.lax.rsqrt(variance + eps)
-  return weight_D.astype(x.dtype) * normed.astype(x.dtype)
+  impl = backend()
+  if impl == "xla":
+    return rmsnorm_kernels.rms_norm_reference(x, weight_D, eps)
+  if impl == "pallas":
+    return rmsnorm_kernels.rms_norm_pallas(x, weight_D, eps)
+  return rmsnorm_kernels.rms_norm_blocked_jax(x, weight_D, eps)
 
 
 def attention(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
@@ -54,6 +119,12 @@ def attention(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
   H query heads share K key/value heads (H % K == 0). Scores and softmax are computed in f32.
   Rows with no visible key (padding) produce zeros rather than NaN.
   """
+  impl = backend()
+  if impl == "pallas":
+    return attention_kernels.attention_pallas(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale)
+  if impl == "blocked_jax":
+    return attention_kernels.attention_blocked_jax(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS,
+                                                   scale)
   B, T, H, D = q_BxTxHxD.shape
   K = k_BxSxKxD.shape[2]
   q_BxTxKxGxD = q_BxTxHxD.reshape(B, T, K, H // K, D)
@@ -70,11 +141,22 @@ def attention(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
 
 
 def log_softmax(logits: jax.Array) -> jax.Array:
-  return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  """log_softmax over the last axis, in f32."""
+  impl = backend()
+  if impl == "xla":
+    return logsoftmax_kernels.log_softmax_reference(logits)
+  if impl == "pallas":
+    return logsoftmax_kernels.log_softmax_pallas(logits)
+  return logsoftmax_kernels.log_softmax_blocked_jax(logits)
 
 
 def token_logprobs(logits_BxTxV: jax.Array, tokens_BxT: jax.Array,
                    temperature: float = 1.0) -> jax.Array:
   """log p(token) under softmax(logits / temperature); the one definition sampler and trainer share."""
-  logp = log_softmax(logits_BxTxV.astype(jnp.float32) / temperature)
-  return jnp.take_along_axis(logp, tokens_BxT[..., None], axis=-1)[..., 0]
+  scaled = logits_BxTxV.astype(jnp.float32) / temperature
+  impl = backend()
+  if impl == "xla":
+    return logsoftmax_kernels.token_logprobs_reference(scaled, tokens_BxT)
+  if impl == "pallas":
+    return logsoftmax_kernels.token_logprobs_pallas(scaled, tokens_BxT)
+  return logsoftmax_kernels.token_logprobs_blocked_jax(scaled, tokens_BxT)

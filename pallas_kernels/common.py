@@ -1,0 +1,74 @@
+"""Helpers the kernels share: where interpret mode is needed, padding to block multiples."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def default_interpret() -> bool:
+  """Pallas compiles only for GPU/TPU; everywhere else the kernel runs in interpret mode."""
+  return jax.default_backend() not in ("gpu", "tpu")
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def pad_axis(x: jax.Array, axis: int, multiple: int, value=0) -> jax.Array:
+  """Pads `axis` up to a multiple of `multiple` (no-op when it already is one)."""
+  size = x.shape[axis]
+  target = round_up(size, multiple)
+  if target == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, target - size)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def fenced(fn):
+  """Wraps a block body in optimization barriers on its inputs and outputs.
+
+  A loop of one trip is inlined by XLA, and the inlined body may then fuse with its neighbours;
+  a reduction inside a different fusion can be emitted with a different loop order. The
+  barriers keep the block body the same computation whether it runs once or in a loop.
+  """
+
+  def wrapped(args):
+    return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(args)))
+
+  return wrapped
+
+
+def map_row_blocks(fn, x_RxC: jax.Array, block_rows: int, *extra_row_args: jax.Array) -> jax.Array:
+  """Applies `fn` to fixed-shape row blocks [block_rows, ...] one after another.
+
+  The rows are padded up to a multiple of `block_rows` and the blocks run inside one `lax.map`
+  (a loop), so XLA compiles a single program for the block shape whatever the number of rows.
+  That is the pure-JAX way to get a batch-invariant result from ops whose algorithm XLA picks by
+  shape (dots); a vmap would be folded back into one big dot of the padded shape.
+  """
+  rows = x_RxC.shape[0]
+  padded = [pad_axis(a, 0, block_rows) for a in (x_RxC, *extra_row_args)]
+  num_blocks = padded[0].shape[0] // block_rows
+  blocked = [a.reshape(num_blocks, block_rows, *a.shape[1:]) for a in padded]
+  out = jax.lax.map(fenced(lambda *args: fn(*args)), tuple(blocked))
+  return out.reshape(num_blocks * block_rows, *out.shape[2:])[:rows]
+
+
+def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
+  """Sum over `axis` as a pairwise tree of elementwise adds: one fixed order for every shape.
+
+  XLA:CPU emits `reduce` (and fuses it) with a loop order chosen from the shapes around it, so
+  the same row can sum differently in a [1, D] and a [64, D] array. Elementwise adds are never
+  reassociated, so halving the axis with `a[:h] + a[h:]` (a zero pad where the length is odd)
+  fixes the order completely, at the cost of log2(n) fused adds.
+  """
+  axis = axis % x.ndim
+  while x.shape[axis] > 1:
+    if x.shape[axis] % 2:
+      x = pad_axis(x, axis, 2)
+    half = x.shape[axis] // 2
+    x = (jax.lax.slice_in_dim(x, 0, half, axis=axis)
+         + jax.lax.slice_in_dim(x, half, 2 * half, axis=axis))
+  return jax.lax.squeeze(x, (axis,))

@@ -1,0 +1,70 @@
+"""XLA flags that numerics depend on, set from the config before JAX creates its backends.
+
+What each flag buys, and what it does not:
+- `--xla_cpu_max_isa=AVX` (CPU, batch_invariant): XLA:CPU contracts `a * b + c` into one fused
+  multiply-add whenever both ops land in one fusion, and which products get contracted depends
+  on how a program was fused (a loop of one trip is inlined, a slice becomes a bitcast, ...). The
+  same expression then rounds differently in a decode program and in a prefill program. Capping
+  codegen at AVX (no FMA instructions) makes every elementwise op round as written. Float vector
+  width stays 256 bit; the measured cost is small at batch >= 16 (see BENCHMARKS.md).
+- `--xla_gpu_deterministic_ops=true` (GPU): run-to-run determinism (no atomics-based scatter or
+  reductions, no autotuning, which could pick a different kernel on a rerun). It does NOT give
+  batch invariance: another batch size is another HLO, tiled and possibly split-K'd differently.
+  That is what the batch-invariant kernels are for.
+None of this changes TPU behaviour; TPU programs are run-to-run deterministic already, and batch
+invariance comes from the kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+from jax._src import xla_bridge
+
+CPU_NO_FMA = "--xla_cpu_max_isa=AVX"
+GPU_DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
+
+
+def required_flags(numerics: str, xla_determinism: bool = True) -> list[str]:
+  flags = []
+  if numerics == "batch_invariant" and platform.machine() in ("x86_64", "AMD64"):
+    flags.append(CPU_NO_FMA)
+  if xla_determinism:
+    flags.append(GPU_DETERMINISTIC)
+  return flags
+
+
+def missing_flags(flags: list[str]) -> list[str]:
+  present = os.environ.get("XLA_FLAGS", "").split()
+  return [f for f in flags if f not in present]
+
+
+def configure(numerics: str, xla_determinism: bool = True) -> list[str]:
+  """Adds the flags `numerics` needs to XLA_FLAGS; returns the flags in force.
+
+  Must run before the first JAX computation (XLA reads XLA_FLAGS when it creates a backend).
+  Raises if a backend already exists without them: the run would silently break the contracts.
+  """
+  flags = required_flags(numerics, xla_determinism)
+  missing = missing_flags(flags)
+  if missing and xla_bridge.backends_are_initialized():
+    raise RuntimeError(
+        f"numerics={numerics!r} needs XLA_FLAGS {' '.join(missing)}, but JAX has already created "
+        "its backends. Call tlt_jax.determinism.configure(...) before the first JAX computation, "
+        f"or start the process with XLA_FLAGS='{' '.join(flags)}'.")
+  if missing:
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *missing]).strip()
+  return flags
+
+
+def check_cpu_flags() -> None:
+  """Batch-invariant numerics on x86 CPU are only exact without FMA contraction: say so early."""
+  import jax  # noqa: PLC0415 (creating the backend here is fine: it is being used anyway)
+
+  missing = missing_flags(required_flags("batch_invariant", xla_determinism=False))
+  if missing and jax.default_backend() == "cpu":
+    raise RuntimeError(
+        f"numerics='batch_invariant' on CPU needs XLA_FLAGS {' '.join(missing)} (no FMA "
+        "contraction) set before JAX starts: call tlt_jax.determinism.configure('batch_invariant') "
+        "first, or export XLA_FLAGS.")
