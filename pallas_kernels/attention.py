@@ -44,23 +44,28 @@ def attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale: floa
   return out.reshape(B, T, H, D).astype(q_BxTxHxD.dtype)
 
 
-def _to_rows(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, block_rows: int):
-  """Lays queries out as [B, K, T*G, D] rows (t-major, then the G heads sharing a KV head)."""
+def _query_rows(q_BxTxHxD, k_BxSxKxD, mask_BxTxS):
+  """Queries as [B, K, T*G, D] rows (t-major, then the G heads sharing a KV head), mask per row."""
   B, T, H, D = q_BxTxHxD.shape
   K = k_BxSxKxD.shape[2]
   if H % K:
     raise ValueError(f"attention: {H} query heads do not group over {K} KV heads")
-  G = H // K
   if mask_BxTxS.shape != (B, T, k_BxSxKxD.shape[1]):
     raise ValueError(f"attention: mask {mask_BxTxS.shape} != (B, T, S) = "
                      f"{(B, T, k_BxSxKxD.shape[1])}")
+  G = H // K
   q_BxKxRxD = q_BxTxHxD.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, D)
-  mask_BxRxS = jnp.repeat(mask_BxTxS, G, axis=1)
+  return q_BxKxRxD, jnp.repeat(mask_BxTxS, G, axis=1)
+
+
+def _to_rows(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, block_rows: int):
+  """Kernel layout: rows padded to `block_rows`, KV as [B, K, S, D] padded to KV_SPLIT."""
+  q_BxKxRxD, mask_BxRxS = _query_rows(q_BxTxHxD, k_BxSxKxD, mask_BxTxS)
   q_BxKxRxD = pad_axis(q_BxKxRxD, 2, block_rows)
   mask_BxRxS = pad_axis(pad_axis(mask_BxRxS, 1, block_rows, False), 2, KV_SPLIT, False)
   k_BxKxSxD = pad_axis(k_BxSxKxD.transpose(0, 2, 1, 3), 2, KV_SPLIT)
   v_BxKxSxD = pad_axis(v_BxSxKxD.transpose(0, 2, 1, 3), 2, KV_SPLIT)
-  return q_BxKxRxD, k_BxKxSxD, v_BxKxSxD, mask_BxRxS, G
+  return q_BxKxRxD, k_BxKxSxD, v_BxKxSxD, mask_BxRxS
 
 
 def _from_rows(out_BxKxRxD, B, T, H, D):
@@ -112,7 +117,7 @@ def attention_pallas(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale: float, 
   if interpret is None:
     interpret = default_interpret()
   B, T, H, D = q_BxTxHxD.shape
-  q, k, v, mask, _ = _to_rows(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, BLOCK_Q)
+  q, k, v, mask = _to_rows(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, BLOCK_Q)
   K, Rp, Sp = q.shape[1], q.shape[2], k.shape[2]
   out = pl.pallas_call(
       functools.partial(_attention_kernel, scale=scale, num_splits=Sp // KV_SPLIT),
@@ -129,33 +134,43 @@ def attention_pallas(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale: float, 
 
 
 def attention_blocked_jax(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale: float) -> jax.Array:
-  """The same online softmax over fixed KV splits in pure JAX (the fast path on CPU).
+  """Split-KV attention with fixed splits in pure JAX (the fast path on CPU).
 
   XLA:CPU picks the loop order of a dot or a `reduce` from the shapes around it, so q.k over the
-  same D numbers can round differently with 1 and with 64 query rows. Here the splits run in
-  order inside one `lax.scan`, and within a split q.k (over D) and p.v (over the KV_SPLIT keys)
-  are elementwise products summed by `tree_sum`, whose order is fixed by construction.
+  same D numbers can round differently with 1 and with 64 query rows. Here every split of
+  KV_SPLIT keys is reduced on its own, all splits at once: q.k (over D) and p.v (over the split's
+  keys) are elementwise products summed by `tree_sum`, whose order is fixed by construction, and
+  each split is normalised by its own max. The splits are then merged in slot order by a
+  sequential sum after rescaling to the global max (max is exact in any order). A split with no
+  visible key contributes exactly 0, so a longer cache gives the same bits.
   """
   B, T, H, D = q_BxTxHxD.shape
-  q, k, v, mask, _ = _to_rows(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, 1)
-  K, R, Sp = q.shape[1], q.shape[2], k.shape[2]
-  n = Sp // KV_SPLIT
-  q32 = q.astype(jnp.float32)
-  k_splits = k.reshape(B, K, n, KV_SPLIT, D).transpose(2, 0, 1, 3, 4)
-  v_splits = v.reshape(B, K, n, KV_SPLIT, D).transpose(2, 0, 1, 3, 4)
-  m_splits = mask.reshape(B, R, n, KV_SPLIT).transpose(2, 0, 1, 3)
+  q, mask = _query_rows(q_BxTxHxD, k_BxSxKxD, mask_BxTxS)
+  K, R = q.shape[1], q.shape[2]
+  mask = pad_axis(mask, 2, KV_SPLIT, False)
+  k = pad_axis(k_BxSxKxD, 1, KV_SPLIT)
+  v = pad_axis(v_BxSxKxD, 1, KV_SPLIT)
+  n = k.shape[1] // KV_SPLIT
+  # [B, n, C, K, D] -> [B, K, 1, n, C, D]: split j holds slots j*C .. j*C + C-1.
+  k_BxKx1xNxCxD = k.reshape(B, n, KV_SPLIT, K, D).transpose(0, 3, 1, 2, 4)[:, :, None]
+  v_BxKx1xNxCxD = v.reshape(B, n, KV_SPLIT, K, D).transpose(0, 3, 1, 2, 4)[:, :, None]
+  mask_Bx1xRxNxC = mask.reshape(B, R, n, KV_SPLIT)[:, None]
+  q32 = q.astype(jnp.float32)[:, :, :, None, None, :]
+  s = tree_sum(q32 * k_BxKx1xNxCxD.astype(jnp.float32), axis=-1) * scale  # [B, K, R, n, C]
+  s = jnp.where(mask_Bx1xRxNxC, s, -jnp.inf)
+  m_split = jnp.max(s, axis=-1)                                             # [B, K, R, n]
+  m_split_safe = jnp.where(m_split == -jnp.inf, 0.0, m_split)
+  p = jnp.exp(s - m_split_safe[..., None])
+  l_split = tree_sum(p, axis=-1)                                            # [B, K, R, n]
+  pv_split = tree_sum(p[..., None] * v_BxKx1xNxCxD.astype(jnp.float32), axis=-2)  # [B,K,R,n,D]
+  m_all = jnp.max(m_split, axis=-1, keepdims=True)
+  weight = jnp.exp(m_split - jnp.where(m_all == -jnp.inf, 0.0, m_all))     # 0 for empty splits
+  l_terms = jnp.moveaxis(l_split * weight, -1, 0)
+  pv_terms = jnp.moveaxis(pv_split * weight[..., None], -2, 0)
 
-  def split_step(state, split):
-    # Barriers keep this body one fusion context whether the scan runs once (and is inlined)
-    # or loops: XLA:CPU contracts a*b+c into an FMA only inside a fusion.
-    state, (k_BxKxCxD, v_BxKxCxD, mask_BxRxC) = jax.lax.optimization_barrier((state, split))
-    k32, v32 = k_BxKxCxD.astype(jnp.float32), v_BxKxCxD.astype(jnp.float32)
-    s = tree_sum(q32[:, :, :, None, :] * k32[:, :, None, :, :], axis=-1) * scale
-    s = jnp.where(mask_BxRxC[:, None], s, -jnp.inf)
-    pv = lambda p: tree_sum(p[..., None] * v32[:, :, None, :, :], axis=3)
-    return jax.lax.optimization_barrier(_online_softmax_step(state, s, pv, tree_sum)), None
+  def merge(carry, terms):  # in slot order; elementwise only, so no shape can reorder it
+    return (carry[0] + terms[0], carry[1] + terms[1]), None
 
-  init = (jnp.full((B, K, R), -jnp.inf, jnp.float32), jnp.zeros((B, K, R), jnp.float32),
-          jnp.zeros((B, K, R, D), jnp.float32))
-  (_, l, acc), _ = jax.lax.scan(split_step, init, (k_splits, v_splits, m_splits))
+  (l, acc), _ = jax.lax.scan(merge, (jnp.zeros_like(l_terms[0]), jnp.zeros_like(pv_terms[0])),
+                             (l_terms, pv_terms))
   return _from_rows(_finish(l, acc).astype(q_BxTxHxD.dtype), B, T, H, D)

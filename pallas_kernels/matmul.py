@@ -24,7 +24,7 @@ PALLAS_BLOCKS = {
     jnp.dtype(jnp.bfloat16): (32, 128, 256),
 }
 # Rows per block of the pure-JAX path: one [bm, K] x [K, N] dot per block (whole K in one dot).
-BLOCKED_JAX_ROWS = 16
+BLOCKED_JAX_ROWS = 8
 
 
 def matmul_reference(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
@@ -73,7 +73,7 @@ def matmul_pallas(x_MxK: jax.Array, w_KxN: jax.Array, *, interpret: bool | None 
 
 
 def matmul_blocked_jax(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
-  """Pure-JAX batch-invariant matmul for CPU: fixed [16, K] row blocks, one dot each, in a loop.
+  """Pure-JAX batch-invariant matmul for CPU: fixed [8, K] row blocks, one dot each, in a loop.
 
   Every block is the same [bm, K] x [K, N] dot in one compiled loop body, so XLA cannot switch
   algorithm with M. About as fast as XLA's own matmul on CPU (see the calibration notes), where
