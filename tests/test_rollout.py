@@ -1,0 +1,230 @@
+"""Rollout engine: schedule independence, compaction, exact speculative decoding (gumbel),
+speculative sampling in distribution (rejection), the mid-rollout SD switch, no compile after
+warm-up, the tuner, and bad input. All in batch-invariant numerics (what makes them bitwise)."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+from flax import nnx
+
+from tlt_jax import ops
+from tlt_jax.model.drafter import Drafter
+from tlt_jax.model.transformer import ModelConfig, Transformer
+from tlt_jax.rollout import engine as engine_lib
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.tuner import OFF, Arm, Tuner, default_arms
+
+VOCAB = 12
+EOS = 3
+CFG = EngineConfig(buckets=(1, 2, 4, 8), max_prompt_len=6, max_new_tokens=10, chunk_steps=3,
+                   sampling=SamplingParams(temperature=1.0), eos_ids=(EOS,),
+                   arms=(Arm(OFF), Arm("chain2", 2), Arm("chain4", 4)))
+PROMPTS = [[1, 5, 7], [2], [4, 4, 9, 10, 11], [6, 8], [7, 1, 1, 2], [9]]
+
+
+@functools.lru_cache(maxsize=None)
+def _models():
+  cfg = ModelConfig(arch="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+  target = Transformer(cfg, nnx.Rngs(0))
+  emb = target.embed_tokens.embedding
+  emb.set_value(emb.get_value() * 40.0)  # logits of a few units: a non-trivial distribution
+  return target, Drafter(cfg, nnx.Rngs(1))
+
+
+def _run(cfg=CFG, *, drafter=True, **kwargs):
+  target, draft = _models()
+  with ops.numerics_mode("batch_invariant"):
+    engine = RolloutEngine(target, cfg, draft if drafter else None)
+    samples = engine.generate(PROMPTS, group_size=2, **kwargs)
+  return engine, samples
+
+
+def _assert_same(a, b):
+  assert [s.sample_id for s in a] == [s.sample_id for s in b]
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x.tokens, y.tokens, err_msg=f"sample {x.sample_id}")
+    np.testing.assert_array_equal(x.logprobs, y.logprobs, err_msg=f"sample {x.sample_id}")
+    assert x.finish_reason == y.finish_reason
+
+
+@functools.lru_cache(maxsize=None)
+def _plain():
+  return _run(arm=OFF)
+
+
+def test_plain_rollout_outputs_are_well_formed():
+  engine, samples = _plain()
+  assert len(samples) == 2 * len(PROMPTS)
+  for s in samples:
+    assert s.prompt == PROMPTS[s.sample_id // 2]
+    assert 1 <= len(s.tokens) <= CFG.max_new_tokens and len(s.logprobs) == len(s.tokens)
+    assert np.all(s.logprobs <= 0.0)
+    assert (s.finish_reason == "eos") == (s.tokens[-1] == EOS)
+    assert EOS not in s.tokens[:-1]
+    assert s.finish_reason == "eos" or len(s.tokens) == CFG.max_new_tokens
+    assert s.hidden.shape == (CFG.max_new_tokens, 32)
+  assert {s.finish_reason for s in samples} == {"eos", "length"}  # both paths exercised
+  # 12 samples through an 8-row bucket: continuous batching refilled freed slots.
+  assert engine.prefill_rows == 12 and max(t.bucket for t in engine.trace) == 8
+
+
+def test_samples_do_not_depend_on_slot_bucket_chunk_or_refill_order():
+  _, reference = _plain()
+  other = dataclasses.replace(CFG, buckets=(1, 4, 16), chunk_steps=5, compaction=False)
+  order = list(np.random.default_rng(0).permutation(12))
+  _, samples = _run(other, arm=OFF, order=order)
+  _assert_same(reference, samples)
+
+
+def test_compaction_changes_no_output():
+  engine, reference = _plain()
+  assert len({t.bucket for t in engine.trace}) > 1  # the reference run did compact
+  _, samples = _run(dataclasses.replace(CFG, compaction=False), arm=OFF)
+  _assert_same(reference, samples)
+
+
+@pytest.mark.parametrize("arm", ["chain2", "chain4"])
+def test_gumbel_speculative_decoding_is_bitwise_plain_decoding(arm):
+  _, reference = _plain()
+  engine, samples = _run(arm=arm)
+  _assert_same(reference, samples)
+  sd_chunks = [t for t in engine.trace if t.arm == arm]
+  assert sd_chunks and max(t.accept_len for t in sd_chunks) > 1.0  # some drafts were accepted
+
+
+def test_switching_sd_on_mid_rollout_needs_no_reprefill():
+  _, reference = _plain()
+  engine, samples = _run(sd_after_rounds=2)
+  _assert_same(reference, samples)
+  arms = [t.arm for t in engine.trace]
+  assert arms[:2] == [OFF, OFF] and any(a != OFF for a in arms[2:])
+  assert engine.prefill_rows == 12  # each prompt prefilled once: the drafter cache was current
+
+
+def test_no_compile_after_warm_up():
+  target, draft = _models()
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None)
+  with ops.numerics_mode("batch_invariant"):
+    small = dataclasses.replace(CFG, buckets=(1, 2), arms=(Arm(OFF), Arm("chain2", 2)))
+    engine = RolloutEngine(target, small, draft)
+    built = engine.pool.warm_up()
+    assert built > 0
+    compiles.clear()
+    samples = engine.generate(PROMPTS[:3], group_size=1)  # refill, compaction, both arms
+  assert compiles == [] and engine.pool.compiles == built
+  assert len(samples) == 3 and {t.arm for t in engine.trace} == {OFF, "chain2"}
+
+
+def _exact_first_two_token_probs(target, prompt, params):
+  """p(t1, t2 | prompt) from plain forwards (the distribution rejection sampling must hit)."""
+  from tlt_jax.rollout.sampling import masked_logits  # noqa: PLC0415
+  with ops.numerics_mode("batch_invariant"):
+    seqs = np.array([prompt + [t] for t in range(VOCAB)], np.int32)
+    logits = target(jnp.asarray(seqs)).logits_BxTxV
+    p1 = jax.nn.softmax(masked_logits(logits[0, len(prompt) - 1][None], params))[0]
+    p2 = jax.nn.softmax(masked_logits(logits[:, len(prompt)], params))
+  return np.asarray(p1[:, None] * p2, np.float64)
+
+
+def _first_two_counts(engine, prompt, n):
+  with ops.numerics_mode("batch_invariant"):
+    samples = engine.generate([prompt], group_size=n, arm="chain2", max_new_tokens=2)
+  counts = np.zeros((VOCAB, VOCAB))
+  for s in samples:
+    if len(s.tokens) == 2:
+      counts[s.tokens[0], s.tokens[1]] += 1
+    else:  # EOS first: count it with its own row
+      counts[s.tokens[0], 0] += 1
+  return counts
+
+
+def _chi2_pvalue(counts, probs):
+  """Chi-square over (t1, t2) cells; an EOS first token ends the sample: one cell (EOS, 0)."""
+  probs = probs.copy()
+  eos_first = probs[EOS].sum()
+  probs[EOS, :] = 0.0
+  probs[EOS, 0] = eos_first
+  probs /= probs.sum()  # f32 softmax rounding
+  impossible = probs == 0.0  # the EOS row's other cells
+  if counts[impossible].any():
+    return 0.0
+  counts, probs = counts[~impossible], probs[~impossible]
+  keep = probs.reshape(-1) * counts.sum() >= 5
+  observed, expected = counts.reshape(-1)[keep], probs.reshape(-1)[keep] * counts.sum()
+  if not keep.all():  # cells too rare for the test are pooled into one
+    observed = np.append(observed, counts.reshape(-1)[~keep].sum())
+    expected = np.append(expected, probs.reshape(-1)[~keep].sum() * counts.sum())
+  return scipy.stats.chisquare(observed, expected).pvalue
+
+
+def _rejection_engine():
+  target, draft = _models()
+  cfg = dataclasses.replace(CFG, buckets=(64,), verification="rejection", max_new_tokens=2,
+                            chunk_steps=1)
+  return target, RolloutEngine(target, cfg, draft)
+
+
+def test_rejection_sampling_matches_the_target_distribution():
+  target, engine = _rejection_engine()
+  prompt = [1, 5, 7]
+  counts = _first_two_counts(engine, prompt, 20_000)
+  probs = _exact_first_two_token_probs(target, prompt, CFG.sampling)
+  # The first token comes from the prefill; the second is the speculative-sampling outcome
+  # (the first draft accepted with prob min(1, p/q), else a sample of norm(max(p - q, 0))).
+  assert _chi2_pvalue(counts, probs) > 0.01
+
+
+def test_a_broken_acceptance_rule_fails_the_distribution_test(monkeypatch):
+  original = engine_lib._rejection_emit
+
+  def accept_everything(s, seed, depth, drafts_BxK, *rest):
+    _, accept = original(s, seed, depth, drafts_BxK, *rest)
+    bonus = rest[-1][:, -1:]
+    return jnp.concatenate([drafts_BxK, bonus], axis=1), jnp.ones_like(accept)
+
+  monkeypatch.setattr(engine_lib, "_rejection_emit", accept_everything)
+  target, engine = _rejection_engine()
+  prompt = [1, 5, 7]
+  counts = _first_two_counts(engine, prompt, 20_000)
+  probs = _exact_first_two_token_probs(target, prompt, CFG.sampling)
+  assert _chi2_pvalue(counts, probs) < 0.01
+
+
+def test_tuner_picks_off_when_sd_is_slower_and_the_best_arm_otherwise():
+  arms = default_arms((2, 4))
+  tuner = Tuner(arms, (1, 64), epsilon=0.0, window=8, max_verify_tokens_per_bucket=256)
+  assert tuner.allowed[64] == [OFF, "chain2"]  # chain4 x 64 rows exceeds the memory bound
+  speed = {1: {OFF: 100, "chain2": 180, "chain4": 250}, 64: {OFF: 1000, "chain2": 700}}
+  for _ in range(20):
+    for bucket in (1, 64):
+      arm = tuner.choose(bucket)
+      tuner.update(bucket, arm, speed[bucket][arm.name], 1.0)
+  assert tuner.best(1) == "chain4" and tuner.best(64) == OFF
+  restored = Tuner(arms, (1, 64), epsilon=0.0, window=8, max_verify_tokens_per_bucket=256)
+  restored.load_state_dict(tuner.state_dict())
+  assert restored.best(1) == "chain4" and restored.choose(64).name == OFF
+
+
+def test_bad_input_fails_before_any_compile():
+  target, draft = _models()
+  engine = RolloutEngine(target, CFG, draft)
+  with pytest.raises(ValueError, match="prompt 1 is empty"):
+    engine.generate([[1], []])
+  with pytest.raises(ValueError, match="prompt 0 has 7 tokens; the engine's max_prompt_len is 6"):
+    engine.generate([[1] * 7])
+  with pytest.raises(ValueError, match="token ids outside"):
+    engine.generate([[VOCAB]])
+  other = ModelConfig(arch="qwen3", vocab_size=VOCAB, hidden_size=48, intermediate_size=64,
+                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
+  with pytest.raises(ValueError, match="hidden_size: drafter 48 != target 32"):
+    RolloutEngine(target, CFG, Drafter(other, nnx.Rngs(0)))
+  assert engine.pool.compiles == 0

@@ -1,0 +1,575 @@
+"""Rollout engine: slots padded to batch buckets, on-device decode chunks, continuous batching,
+compaction into smaller buckets, and chain speculative decoding with an EAGLE-style drafter.
+
+One rollout, as the host sees it:
+  pending samples -> prefill into free slots -> decode chunk (N steps on device, plain or SD)
+  -> read the done flags -> collect finished samples, refill free slots from pending
+  -> when nothing is pending and the live rows fit a smaller bucket, compact into it -> repeat.
+
+Every device program is built ahead of time per (phase, bucket, strategy) by `ProgramPool` and
+called as a compiled executable, so nothing compiles inside a timed rollout after `warm_up`.
+
+Exactness (with `numerics="batch_invariant"`): the slot a sample occupies, the bucket, the
+chunk size, the refill order and compaction change none of its tokens or log-probs, and `gumbel`
+verification emits exactly the tokens plain decode would: a drafted token is accepted iff it
+equals the target's own Gumbel-argmax at that position, and the target's token is emitted at
+the first mismatch. `rejection` verification is classic speculative sampling (exact in
+distribution only).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pallas_kernels.common import round_up
+from tlt_jax import ops
+from tlt_jax.model.drafter import Drafter, check_fits
+from tlt_jax.model.transformer import KVCache, Transformer, init_cache
+from tlt_jax.rollout import sampling
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.tuner import OFF, Arm, Tuner, default_arms
+
+VERIFICATION_MODES = ("gumbel", "rejection")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+  max_prompt_len: int = 32
+  max_new_tokens: int = 64
+  chunk_steps: int = 8            # decode steps (or SD rounds) per host round trip
+  sampling: SamplingParams = SamplingParams()
+  eos_ids: tuple[int, ...] = ()
+  verification: str = "gumbel"
+  arms: tuple[Arm, ...] = default_arms()
+  compaction: bool = True
+  max_verify_tokens_per_bucket: int = 1024
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.verification not in VERIFICATION_MODES:
+      raise ValueError(f"verification must be one of {VERIFICATION_MODES}")
+    if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
+      raise ValueError(f"buckets must be increasing positive sizes, got {self.buckets}")
+    if self.max_prompt_len < 1 or self.max_new_tokens < 1 or self.chunk_steps < 1:
+      raise ValueError("max_prompt_len, max_new_tokens and chunk_steps must be >= 1")
+
+  @property
+  def max_depth(self) -> int:
+    return max(a.depth for a in self.arms)
+
+  @property
+  def num_slots(self) -> int:
+    """Prompt + response + one verify window, padded to the attention's KV split size."""
+    return round_up(self.max_prompt_len + self.max_new_tokens + self.max_depth + 1, ops.KV_SPLIT)
+
+
+class Slots(NamedTuple):
+  """Device state of one bucket: row r is one sample (or free when live[r] is False)."""
+  cache: KVCache
+  draft_cache: KVCache | None
+  token: jax.Array        # [B] last emitted token, not yet fed to the target
+  pos: jax.Array          # [B] cache slot (= position) where `token` goes
+  prev_hidden: jax.Array  # [B, D] target hidden state at pos - 1 (the drafter's input feature)
+  sample_id: jax.Array    # [B]
+  gen: jax.Array          # [B] tokens emitted so far
+  max_new: jax.Array      # [B]
+  done: jax.Array         # [B] bool
+  live: jax.Array         # [B] bool
+  out_tokens: jax.Array   # [B, N]
+  out_logprobs: jax.Array  # [B, N]
+  out_hidden: jax.Array   # [B, N, D] hidden state whose logits produced each emitted token
+
+
+@dataclasses.dataclass
+class Sample:
+  sample_id: int
+  prompt: list[int]
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  finish_reason: str          # "eos" | "length"
+  hidden: jax.Array           # [max_new_tokens, D] on device; rows [:len(tokens)] are valid
+
+
+@dataclasses.dataclass
+class ChunkTrace:
+  start_s: float
+  seconds: float
+  bucket: int
+  live: int
+  arm: str
+  emitted: int
+  rounds: int
+
+  @property
+  def accept_len(self) -> float:
+    """Tokens emitted per live row per decode round (1.0 for plain decode)."""
+    return self.emitted / max(self.live * self.rounds, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device programs (pure functions of (params, state); jitted and compiled by ProgramPool)
+
+
+def _write_rows(buf, rows_B, cols_B, values, valid_B):
+  """buf[b, cols[b]] = values[b] where valid[b] (columns out of range are dropped)."""
+  cols = jnp.where(valid_B, cols_B, buf.shape[1])
+  return buf.at[rows_B, cols].set(values.astype(buf.dtype), mode="drop")
+
+
+def _draft_features_for_prompt(hidden_BxTxD):
+  """The drafter at position t reads h_{t-1}; position 0 reads zeros."""
+  return jnp.concatenate([jnp.zeros_like(hidden_BxTxD[:, :1]), hidden_BxTxD[:, :-1]], axis=1)
+
+
+def _prefill(target, drafter, cfg: EngineConfig, prompts_BxP, lengths_B, sample_ids_B, max_new_B,
+             seed) -> Slots:
+  B, _ = prompts_BxP.shape
+  zeros_B = jnp.zeros((B,), jnp.int32)
+  out = target(prompts_BxP, cache=init_cache(target.cfg, B, cfg.num_slots), write_slot_B=zeros_B)
+  last = lengths_B - 1
+  rows = jnp.arange(B)
+  logits_BxV = out.logits_BxTxV[rows, last]
+  hidden_BxD = out.hidden_BxTxD[rows, last]
+  token, logp = sampling.sample_and_logprob(logits_BxV, seed, sample_ids_B, lengths_B, cfg.sampling)
+  draft_cache = None
+  if drafter is not None:
+    _, _, draft_cache = drafter(target, prompts_BxP, _draft_features_for_prompt(out.hidden_BxTxD),
+                                drafter.init_cache(B, cfg.num_slots), zeros_B)
+  N, D = cfg.max_new_tokens, target.cfg.hidden_size
+  done = _is_eos(token, cfg) | (max_new_B <= 1)
+  return Slots(
+      cache=out.cache, draft_cache=draft_cache, token=token, pos=lengths_B, prev_hidden=hidden_BxD,
+      sample_id=sample_ids_B, gen=jnp.ones((B,), jnp.int32), max_new=max_new_B, done=done,
+      live=jnp.ones((B,), bool),
+      out_tokens=jnp.zeros((B, N), jnp.int32).at[:, 0].set(token),
+      out_logprobs=jnp.zeros((B, N), jnp.float32).at[:, 0].set(logp),
+      out_hidden=jnp.zeros((B, N, D), hidden_BxD.dtype).at[:, 0].set(hidden_BxD))
+
+
+def _is_eos(token_B, cfg: EngineConfig):
+  if not cfg.eos_ids:
+    return jnp.zeros(token_B.shape, bool)
+  return jnp.isin(token_B, jnp.asarray(cfg.eos_ids, jnp.int32))
+
+
+def _plain_step(target, drafter, cfg: EngineConfig, s: Slots, seed) -> tuple[Slots, jax.Array]:
+  active = s.live & ~s.done
+  out = target(s.token[:, None], cache=s.cache, write_slot_B=s.pos)
+  draft_cache = s.draft_cache
+  if drafter is not None:  # keep the drafter's cache current: SD may start at any step
+    _, _, draft_cache = drafter(target, s.token[:, None], s.prev_hidden[:, None], s.draft_cache,
+                                s.pos)
+  hidden = out.hidden_BxTxD[:, 0]
+  token, logp = sampling.sample_and_logprob(out.logits_BxTxV[:, 0], seed, s.sample_id, s.pos + 1,
+                                            cfg.sampling)
+  rows = jnp.arange(token.shape[0])
+  gen = s.gen + active
+  done = s.done | (active & (_is_eos(token, cfg) | (gen >= s.max_new)))
+  s = s._replace(
+      cache=out.cache, draft_cache=draft_cache,
+      token=jnp.where(active, token, s.token), pos=s.pos + active,
+      prev_hidden=jnp.where(active[:, None], hidden, s.prev_hidden), gen=gen, done=done,
+      out_tokens=_write_rows(s.out_tokens, rows, s.gen, token, active),
+      out_logprobs=_write_rows(s.out_logprobs, rows, s.gen, logp, active),
+      out_hidden=_write_rows(s.out_hidden, rows, s.gen, hidden, active))
+  return s, jnp.sum(active)
+
+
+def _probs(masked_BxV):
+  return jax.nn.softmax(masked_BxV, axis=-1)
+
+
+def _sd_step(target, drafter, cfg: EngineConfig, depth: int, s: Slots, seed):
+  """One chain round: draft `depth` tokens, verify them in one target forward, commit."""
+  B = s.token.shape[0]
+  rows = jnp.arange(B)
+  active = s.live & ~s.done
+  greedy = cfg.sampling.temperature == 0.0
+  purpose = sampling.PURPOSE_TOKEN if cfg.verification == "gumbel" else sampling.PURPOSE_DRAFT
+  # Draft: the first step reads the target's feature, later ones the drafter's own.
+  tok, feat, draft_cache = s.token, s.prev_hidden, s.draft_cache
+  drafts, draft_masked = [], []
+  for j in range(depth):
+    dlogits, dfeat, draft_cache = drafter(target, tok[:, None], feat[:, None], draft_cache, s.pos + j)
+    masked = sampling.masked_logits(dlogits[:, 0], cfg.sampling)
+    tok = sampling.sample_from_masked(masked, seed, s.sample_id, s.pos + j + 1, greedy, purpose)
+    feat = dfeat[:, 0]
+    drafts.append(tok)
+    draft_masked.append(masked)
+  drafts_BxK = jnp.stack(drafts, axis=1)
+  # Verify: the target sees [token, d_1..d_k] at slots pos..pos+k (the cache is written first).
+  out = target(jnp.concatenate([s.token[:, None], drafts_BxK], axis=1), cache=s.cache,
+               write_slot_B=s.pos)
+  K1 = depth + 1
+  positions_BxK1 = s.pos[:, None] + 1 + jnp.arange(K1)[None, :]
+  target_masked = sampling.masked_logits(out.logits_BxTxV.reshape(B * K1, -1), cfg.sampling)
+  target_tok = sampling.sample_from_masked(
+      target_masked, seed, jnp.repeat(s.sample_id, K1), positions_BxK1.reshape(-1), greedy
+  ).reshape(B, K1)
+  if cfg.verification == "gumbel":
+    accept_BxK = drafts_BxK == target_tok[:, :depth]
+    emitted = target_tok  # at and before the first mismatch these are the tokens emitted
+  else:
+    emitted, accept_BxK = _rejection_emit(s, seed, depth, drafts_BxK, draft_masked,
+                                          target_masked.reshape(B, K1, -1), target_tok)
+  accepted = jnp.sum(jnp.cumprod(accept_BxK.astype(jnp.int32), axis=1), axis=1)  # [B] 0..depth
+  n_emit = accepted + 1
+  # Stop at the first EOS and at max_new.
+  eos_BxK1 = _is_eos(emitted.reshape(-1), cfg).reshape(B, K1)
+  first_eos = jnp.where(eos_BxK1.any(axis=1), jnp.argmax(eos_BxK1, axis=1) + 1, K1 + 1)
+  n_emit = jnp.minimum(jnp.minimum(n_emit, first_eos), s.max_new - s.gen)
+  n_emit = jnp.where(active, n_emit, 0)
+  logp = ops.token_logprobs(target_masked.reshape(B, K1, -1), emitted)
+  out_tokens, out_logprobs, out_hidden = s.out_tokens, s.out_logprobs, s.out_hidden
+  for i in range(K1):
+    valid = i < n_emit
+    out_tokens = _write_rows(out_tokens, rows, s.gen + i, emitted[:, i], valid)
+    out_logprobs = _write_rows(out_logprobs, rows, s.gen + i, logp[:, i], valid)
+    out_hidden = _write_rows(out_hidden, rows, s.gen + i, out.hidden_BxTxD[:, i], valid)
+  last = jnp.maximum(n_emit - 1, 0)
+  gen = s.gen + n_emit
+  done = s.done | (active & ((first_eos <= n_emit) | (gen >= s.max_new)))
+  # Re-run the drafter on the committed tokens with the target's features (EAGLE's "extend"):
+  # slots pos+1.. get the entries plain decode would have written.
+  _, _, draft_cache = drafter(target, emitted[:, :depth], out.hidden_BxTxD[:, :depth],
+                              draft_cache, s.pos + 1)
+  moved = n_emit > 0
+  s = s._replace(
+      cache=out.cache, draft_cache=draft_cache,
+      token=jnp.where(moved, emitted[rows, last], s.token), pos=s.pos + n_emit,
+      prev_hidden=jnp.where(moved[:, None], out.hidden_BxTxD[rows, last], s.prev_hidden),
+      gen=gen, done=done, out_tokens=out_tokens, out_logprobs=out_logprobs, out_hidden=out_hidden)
+  return s, jnp.sum(n_emit)
+
+
+def _rejection_emit(s: Slots, seed, depth, drafts_BxK, draft_masked, target_masked_BxK1xV,
+                    target_tok_BxK1):
+  """Speculative sampling: accept d_j with prob min(1, p(d_j) / q(d_j)); at the first rejection
+  emit a sample of norm(max(p - q, 0)); if all are accepted the bonus token is a sample of p."""
+  B = drafts_BxK.shape[0]
+  p = _probs(target_masked_BxK1xV)                        # [B, K+1, V]
+  q = jnp.stack([_probs(m) for m in draft_masked], axis=1)  # [B, K, V]
+  take = lambda probs, tok: jnp.take_along_axis(probs, tok[..., None], axis=-1)[..., 0]
+  ratio = take(p[:, :depth], drafts_BxK) / jnp.maximum(take(q, drafts_BxK), 1e-30)
+  positions = s.pos[:, None] + 1 + jnp.arange(depth)[None, :]
+  coin = jax.vmap(jax.vmap(lambda sid, pos: sampling.uniform_noise(
+      seed, sid, pos, sampling.PURPOSE_ACCEPT), in_axes=(None, 0)))(s.sample_id, positions)
+  accept = coin < ratio
+  residual = jnp.maximum(p[:, :depth] - q, 0.0)
+  residual_logits = jnp.where(residual > 0, jnp.log(jnp.maximum(residual, 1e-38)), -jnp.inf)
+  V = residual.shape[-1]
+  noise = jax.vmap(jax.vmap(lambda sid, pos: sampling.gumbel_noise(
+      seed, sid, pos, V, sampling.PURPOSE_RESAMPLE), in_axes=(None, 0)))(s.sample_id, positions)
+  resampled = jnp.argmax(residual_logits + noise, axis=-1).astype(jnp.int32)  # [B, K]
+  # Emitted token i: the draft while accepted, then the resample at the first rejection, or the
+  # target's own sample (the bonus) after all depth drafts were accepted.
+  first_reject = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+  i = jnp.arange(depth + 1)[None, :]
+  padded_drafts = jnp.concatenate([drafts_BxK, jnp.zeros((B, 1), jnp.int32)], axis=1)
+  padded_resampled = jnp.concatenate([resampled, target_tok_BxK1[:, -1:]], axis=1)
+  emitted = jnp.where(i < first_reject[:, None], padded_drafts, padded_resampled)
+  return emitted, accept
+
+
+def _decode_chunk(target, drafter, cfg: EngineConfig, depth: int, s: Slots, seed):
+  """Up to `chunk_steps` rounds on device; stops early when no row is active."""
+
+  def cond(carry):
+    step, s, _ = carry
+    return (step < cfg.chunk_steps) & jnp.any(s.live & ~s.done)
+
+  def body(carry):
+    step, s, emitted = carry
+    if depth:
+      s, n = _sd_step(target, drafter, cfg, depth, s, seed)
+    else:
+      s, n = _plain_step(target, drafter, cfg, s, seed)
+    return step + 1, s, emitted + n
+
+  rounds, s, emitted = jax.lax.while_loop(cond, body, (jnp.int32(0), s, jnp.int32(0)))
+  return s, emitted, rounds
+
+
+def _insert(s: Slots, new: Slots, rows_K) -> Slots:
+  """Rows rows_K of `s` become the rows of `new` (indices >= bucket are padding, dropped)."""
+  put = lambda old, upd: old.at[rows_K].set(upd, mode="drop")
+  return jax.tree.map(put, s, new)
+
+
+def _compact(s: Slots, rows_K, live_K) -> Slots:
+  """A smaller bucket holding rows rows_K of `s` (in that order); rows not live_K are free."""
+  s = jax.tree.map(lambda x: jnp.take(x, rows_K, axis=0), s)
+  return s._replace(live=live_K, done=s.done | ~live_K)
+
+
+def _empty(shape: Slots) -> Slots:
+  s = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shape)
+  return s._replace(done=jnp.ones(s.done.shape, bool))
+
+
+# ---------------------------------------------------------------------------------------------
+# Program pool
+
+
+class ProgramPool:
+  """Compiled executables per (phase, bucket, strategy), built once by `warm_up`.
+
+  Verify programs are per depth (the token count), shared by every arm with that depth; each SD
+  arm is built only for the buckets the tuner may choose it in.
+  """
+
+  def __init__(self, target: Transformer, drafter: Drafter | None, cfg: EngineConfig,
+               allowed_arms: dict[int, list[str]]):
+    self.cfg = cfg
+    self.graphdef, self.params = nnx.split(target)
+    if drafter is not None:
+      self.draft_graphdef, self.draft_params = nnx.split(drafter)
+    else:
+      self.draft_graphdef, self.draft_params = None, None
+    self.allowed_arms = allowed_arms
+    self.programs: dict[tuple, Any] = {}
+    self._shapes: dict[int, Slots] = {}
+    self.compiles = 0
+
+  def _models(self, params, draft_params):
+    target = nnx.merge(self.graphdef, params)
+    drafter = nnx.merge(self.draft_graphdef, draft_params) if self.draft_graphdef else None
+    return target, drafter
+
+  def _build(self, key):
+    phase, bucket, depth = key
+    cfg = self.cfg
+    if phase == "prefill":
+      def fn(params, draft_params, prompts, lengths, sample_ids, max_new, seed):
+        target, drafter = self._models(params, draft_params)
+        return _prefill(target, drafter, cfg, prompts, lengths, sample_ids, max_new, seed)
+      i32 = jax.ShapeDtypeStruct((bucket,), jnp.int32)
+      args = (jax.ShapeDtypeStruct((bucket, cfg.max_prompt_len), jnp.int32), i32, i32, i32,
+              jax.ShapeDtypeStruct((), jnp.int32))
+      return jax.jit(fn).lower(self.params, self.draft_params, *args).compile()
+    slots = self.slots_shape(bucket)
+    if phase == "decode":
+      def fn(params, draft_params, s, seed):
+        target, drafter = self._models(params, draft_params)
+        return _decode_chunk(target, drafter, cfg, depth, s, seed)
+      return jax.jit(fn, donate_argnums=(2,)).lower(
+          self.params, self.draft_params, slots, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+    if phase == "insert":  # bucket = destination, depth = prefill bucket
+      new = self.slots_shape(depth)
+      return jax.jit(_insert, donate_argnums=(0,)).lower(
+          slots, new, jax.ShapeDtypeStruct((depth,), jnp.int32)).compile()
+    if phase == "compact":  # bucket = source, depth = destination
+      return jax.jit(_compact).lower(slots, jax.ShapeDtypeStruct((depth,), jnp.int32),
+                                     jax.ShapeDtypeStruct((depth,), bool)).compile()
+    if phase == "empty":
+      return jax.jit(lambda: _empty(slots)).lower().compile()
+    if phase == "hidden_row":
+      return jax.jit(lambda h, r: h[r]).lower(
+          slots.out_hidden, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+    raise KeyError(key)
+
+  def slots_shape(self, bucket: int):
+    if bucket not in self._shapes:
+      self._shapes[bucket] = self._slots_shape(bucket)
+    return self._shapes[bucket]
+
+  def _slots_shape(self, bucket: int):
+    cfg = self.cfg
+
+    def init(params, draft_params):
+      target, drafter = self._models(params, draft_params)
+      zeros = jnp.zeros((bucket, cfg.max_prompt_len), jnp.int32)
+      ones = jnp.ones((bucket,), jnp.int32)
+      return _prefill(target, drafter, cfg, zeros, ones, ones, ones, jnp.int32(0))
+
+    return jax.eval_shape(init, self.params, self.draft_params)
+
+  def get(self, phase: str, bucket: int, extra: int = 0):
+    key = (phase, bucket, extra)
+    if key not in self.programs:
+      self.programs[key] = self._build(key)
+      self.compiles += 1
+    return self.programs[key]
+
+  def warm_up(self) -> int:
+    """Builds every program a rollout can call; returns how many were compiled."""
+    before = self.compiles
+    buckets = self.cfg.buckets
+    for b in buckets:
+      self.get("prefill", b)
+      self.get("empty", b)
+      self.get("hidden_row", b)
+      for arm in self.allowed_arms[b]:
+        self.get("decode", b, self.cfg_arm_depth(arm))
+      for k in buckets:
+        if k <= b:
+          self.get("insert", b, k)
+          if k < b:
+            self.get("compact", b, k)
+    return self.compiles - before
+
+  def cfg_arm_depth(self, arm_name: str) -> int:
+    return next(a.depth for a in self.cfg.arms if a.name == arm_name)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+
+
+class RolloutEngine:
+
+  def __init__(self, target: Transformer, cfg: EngineConfig, drafter: Drafter | None = None,
+               tuner: Tuner | None = None):
+    if drafter is not None:
+      check_fits(drafter, target.cfg)
+    if drafter is None and cfg.max_depth:
+      cfg = dataclasses.replace(cfg, arms=tuple(a for a in cfg.arms if a.depth == 0))
+    self.cfg = cfg
+    self.target, self.drafter = target, drafter
+    self.tuner = tuner or Tuner(cfg.arms, cfg.buckets,
+                                max_verify_tokens_per_bucket=cfg.max_verify_tokens_per_bucket,
+                                seed=cfg.seed)
+    self.pool = ProgramPool(target, drafter, cfg, self.tuner.allowed)
+    self.trace: list[ChunkTrace] = []
+    self.target_tokens_processed = 0  # prefill + decode + verify tokens through the target
+    self.prefill_rows = 0  # prompts prefilled (a mid-rollout SD switch must not add any)
+
+  def update_drafter(self, drafter: Drafter) -> None:
+    """Serve new drafter weights (same shapes: no recompile)."""
+    check_fits(drafter, self.target.cfg)
+    self.pool.draft_params = nnx.split(drafter)[1]
+    self.drafter = drafter
+
+  def _bucket_for(self, n: int) -> int:
+    return next((b for b in self.cfg.buckets if b >= n), self.cfg.buckets[-1])
+
+  def _check_prompts(self, prompts: list[list[int]]) -> None:
+    if not prompts:
+      raise ValueError("rollout needs at least one prompt")
+    V = self.target.cfg.vocab_size
+    for i, p in enumerate(prompts):
+      if len(p) == 0:
+        raise ValueError(f"prompt {i} is empty")
+      if len(p) > self.cfg.max_prompt_len:
+        raise ValueError(f"prompt {i} has {len(p)} tokens; the engine's max_prompt_len is "
+                         f"{self.cfg.max_prompt_len} (cache of {self.cfg.num_slots} slots)")
+      if min(p) < 0 or max(p) >= V:
+        raise ValueError(f"prompt {i} has token ids outside [0, {V})")
+
+  def generate(self, prompts: list[list[int]], *, group_size: int = 1, arm: str | None = None,
+               max_new_tokens: int | None = None, sd_after_rounds: int = 0,
+               order: list[int] | None = None) -> list[Sample]:
+    """Samples `group_size` completions per prompt; returns them in sample-id order.
+
+    arm: force a strategy ("off", "chain4", ...) instead of the tuner's choice;
+    sd_after_rounds: plain decode for that many chunks before the tuner may pick SD (tests the
+    mid-rollout switch); order: the order in which samples are admitted (default: by id).
+    """
+    self._check_prompts(prompts)
+    cfg = self.cfg
+    max_new = min(max_new_tokens or cfg.max_new_tokens, cfg.max_new_tokens)
+    requests = [(sid, prompts[sid // group_size]) for sid in range(len(prompts) * group_size)]
+    if order is not None:
+      requests = [requests[i] for i in order]
+    pending = collections.deque(requests)
+    bucket = self._bucket_for(len(pending))
+    slots = None
+    row_sample: list[int | None] = [None] * bucket
+    row_prompt: dict[int, list[int]] = {}
+    results: dict[int, Sample] = {}
+    chunks = 0
+    seed = np.int32(cfg.seed)  # a host scalar: jnp.int32 would compile a conversion
+    t_start = time.perf_counter()
+    while pending or any(r is not None for r in row_sample):
+      slots = self._refill(slots, bucket, row_sample, row_prompt, pending, max_new, seed)
+      chosen = self._choose_arm(bucket, arm, chunks, sd_after_rounds)
+      depth = chosen.depth
+      t0 = time.perf_counter()
+      live = sum(r is not None for r in row_sample)
+      slots, emitted, rounds = self.pool.get("decode", bucket, depth)(
+          self.pool.params, self.pool.draft_params, slots, seed)
+      done = np.asarray(slots.done)
+      dt = time.perf_counter() - t0
+      emitted, rounds = int(emitted), int(rounds)
+      self.target_tokens_processed += bucket * rounds * (depth + 1)
+      self.tuner.update(bucket, chosen, emitted, dt)
+      self.trace.append(ChunkTrace(t0 - t_start, dt, bucket, live, chosen.name, emitted, rounds))
+      chunks += 1
+      self._collect(slots, done, row_sample, row_prompt, results, bucket)
+      if cfg.compaction and not pending:
+        slots, bucket, row_sample = self._maybe_compact(slots, bucket, row_sample)
+    return [results[sid] for sid in sorted(results)]
+
+  def _choose_arm(self, bucket, arm, chunks, sd_after_rounds) -> Arm:
+    if arm is not None:
+      if arm not in self.tuner.allowed[bucket]:
+        return self.tuner.arms[OFF]
+      return self.tuner.arms[arm]
+    if chunks < sd_after_rounds:
+      return self.tuner.arms[OFF]
+    return self.tuner.choose(bucket)
+
+  def _refill(self, slots, bucket, row_sample, row_prompt, pending, max_new, seed):
+    free = [r for r, s in enumerate(row_sample) if s is None]
+    if slots is not None and (not free or not pending):
+      return slots
+    take = min(len(free), len(pending))
+    k = self._bucket_for(take)
+    prompts = np.zeros((k, self.cfg.max_prompt_len), np.int32)
+    lengths = np.ones(k, np.int32)
+    sample_ids = np.zeros(k, np.int32)
+    rows = np.full(k, bucket, np.int32)  # padding rows land out of range: dropped
+    for i in range(take):
+      sid, prompt = pending.popleft()
+      prompts[i, :len(prompt)] = prompt
+      lengths[i], sample_ids[i], rows[i] = len(prompt), sid, free[i]
+      row_sample[free[i]] = sid
+      row_prompt[sid] = list(prompt)
+    new = self.pool.get("prefill", k)(self.pool.params, self.pool.draft_params, prompts, lengths,
+                                      sample_ids, np.full(k, max_new, np.int32), seed)
+    self.target_tokens_processed += k * self.cfg.max_prompt_len
+    self.prefill_rows += take
+    if slots is None:
+      slots = self.pool.get("empty", bucket)()
+    return self.pool.get("insert", bucket, k)(slots, new, rows)
+
+  def _collect(self, slots, done, row_sample, row_prompt, results, bucket):
+    finished = [r for r, sid in enumerate(row_sample) if sid is not None and done[r]]
+    if not finished:
+      return
+    tokens = np.asarray(slots.out_tokens)
+    logprobs = np.asarray(slots.out_logprobs)
+    gen = np.asarray(slots.gen)
+    eos = set(self.cfg.eos_ids)
+    for r in finished:
+      sid = row_sample[r]
+      n = int(gen[r])
+      toks = tokens[r, :n].copy()
+      results[sid] = Sample(
+          sample_id=sid, prompt=row_prompt.pop(sid), tokens=toks, logprobs=logprobs[r, :n].copy(),
+          finish_reason="eos" if n and int(toks[-1]) in eos else "length",
+          hidden=self.pool.get("hidden_row", bucket)(slots.out_hidden, np.int32(r)))
+      row_sample[r] = None
+
+  def _maybe_compact(self, slots, bucket, row_sample):
+    live_rows = [r for r, s in enumerate(row_sample) if s is not None]
+    if not live_rows:
+      return slots, bucket, row_sample
+    smaller = self._bucket_for(len(live_rows))
+    if smaller >= bucket:
+      return slots, bucket, row_sample
+    # Padding rows copy a live row and are marked free: they never emit or get collected.
+    rows = live_rows + [live_rows[0]] * (smaller - len(live_rows))
+    live = np.arange(smaller) < len(live_rows)
+    slots = self.pool.get("compact", bucket, smaller)(slots, np.asarray(rows, np.int32), live)
+    new_rows = [row_sample[r] for r in live_rows] + [None] * (smaller - len(live_rows))
+    return slots, smaller, new_rows

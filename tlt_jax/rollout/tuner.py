@@ -1,0 +1,73 @@
+"""Per-bucket strategy tuner: epsilon-greedy on the median reward of each arm over a window.
+
+Reward = tokens emitted per second of a decode chunk. Each batch bucket has its own bandit over
+the arms allowed there (speculative arms whose verify tokens x bucket exceed the memory bound
+are not offered), plus `off` (plain decode). Unseen arms are tried first. The state is plain
+data (`state_dict` / `load_state_dict`) so it is checkpointed with the run.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+OFF = "off"
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  name: str
+  depth: int = 0  # draft tokens per verify (chain); 0 = plain decode
+
+  @property
+  def verify_tokens(self) -> int:
+    return self.depth + 1 if self.depth else 1
+
+
+def default_arms(depths=(2, 4, 6)) -> tuple[Arm, ...]:
+  return (Arm(OFF),) + tuple(Arm(f"chain{d}", d) for d in depths)
+
+
+class Tuner:
+
+  def __init__(self, arms: tuple[Arm, ...], buckets: tuple[int, ...], *, epsilon: float = 0.1,
+               window: int = 32, max_verify_tokens_per_bucket: int = 1024, seed: int = 0):
+    if not any(a.name == OFF for a in arms):
+      raise ValueError("the tuner needs the 'off' arm (plain decode) among its arms")
+    self.arms = {a.name: a for a in arms}
+    self.epsilon, self.window = epsilon, window
+    self.allowed = {b: [a.name for a in arms if a.verify_tokens * b <= max_verify_tokens_per_bucket]
+                    for b in buckets}
+    self.rewards = {b: {a: collections.deque(maxlen=window) for a in self.allowed[b]}
+                    for b in buckets}
+    self.rng = np.random.default_rng(seed)
+
+  def choose(self, bucket: int) -> Arm:
+    rewards = self.rewards[bucket]
+    unseen = [a for a, r in rewards.items() if not r]
+    if unseen:
+      return self.arms[unseen[0]]
+    if self.rng.random() < self.epsilon:
+      return self.arms[self.allowed[bucket][int(self.rng.integers(len(self.allowed[bucket])))]]
+    return self.arms[self.best(bucket)]
+
+  def best(self, bucket: int) -> str:
+    medians = {a: float(np.median(r)) for a, r in self.rewards[bucket].items() if r}
+    return max(medians, key=medians.get) if medians else OFF
+
+  def update(self, bucket: int, arm: Arm, tokens: int, seconds: float) -> None:
+    if seconds > 0:
+      self.rewards[bucket][arm.name].append(tokens / seconds)
+
+  def state_dict(self) -> dict:
+    return {"rewards": {str(b): {a: list(r) for a, r in arms.items()}
+                        for b, arms in self.rewards.items()},
+            "rng": self.rng.bit_generator.state}
+
+  def load_state_dict(self, state: dict) -> None:
+    for b, arms in state["rewards"].items():
+      for a, values in arms.items():
+        self.rewards[int(b)][a] = collections.deque(values, maxlen=self.window)
+    self.rng.bit_generator.state = state["rng"]
