@@ -18,13 +18,14 @@ from tlt_jax.model.transformer import ModelConfig, Transformer
 from tlt_jax.rollout import engine as engine_lib
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.tuner import OFF, Arm, Tuner, default_arms
+from tlt_jax.rollout.tuner import OFF, Arm, Tuner, default_arms, tree_arm
 
 VOCAB = 12
 EOS = 3
 CFG = EngineConfig(buckets=(1, 2, 4, 8), max_prompt_len=6, max_new_tokens=10, chunk_steps=3,
                    sampling=SamplingParams(temperature=1.0), eos_ids=(EOS,),
-                   arms=(Arm(OFF), Arm("chain2", 2), Arm("chain4", 4)))
+                   arms=(Arm(OFF), Arm("chain2", 2), Arm("chain4", 4), tree_arm(3, 2, 5),
+                         tree_arm(2, 3, 7)))
 PROMPTS = [[1, 5, 7], [2], [4, 4, 9, 10, 11], [6, 8], [7, 1, 1, 2], [9]]
 
 
@@ -90,7 +91,7 @@ def test_compaction_changes_no_output():
   _assert_same(reference, samples)
 
 
-@pytest.mark.parametrize("arm", ["chain2", "chain4"])
+@pytest.mark.parametrize("arm", ["chain2", "chain4", "tree3_2_5", "tree2_3_7"])
 def test_gumbel_speculative_decoding_is_bitwise_plain_decoding(arm):
   _, reference = _plain()
   engine, samples = _run(arm=arm)
@@ -169,7 +170,7 @@ def _chi2_pvalue(counts, probs):
 def _rejection_engine():
   target, draft = _models()
   cfg = dataclasses.replace(CFG, buckets=(64,), verification="rejection", max_new_tokens=2,
-                            chunk_steps=1)
+                            chunk_steps=1, arms=(Arm(OFF), Arm("chain2", 2)))
   return target, RolloutEngine(target, cfg, draft)
 
 

@@ -40,16 +40,21 @@ class Drafter(nnx.Module):
 
   def __call__(self, target: Transformer, tokens_BxT: jax.Array, features_BxTxD: jax.Array,
                cache: KVCache, write_slot_B: jax.Array,
-               positions_BxT: jax.Array | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
-    """Returns (draft logits [B,T,V] f32, features [B,T,D], updated cache)."""
+               positions_BxT: jax.Array | None = None, mask_BxTxS: jax.Array | None = None,
+               kv_index_BxTxS: jax.Array | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Returns (draft logits [B,T,V] f32, features [B,T,D], updated cache).
+
+    Tokens are written at slots write_slot..+T-1; mask / kv_index as in `Transformer.__call__`
+    (drafting a tree gives each node its path's layout)."""
     B, T = tokens_BxT.shape
     slots_BxT = write_slot_B[:, None] + jnp.arange(T)[None, :]
     if positions_BxT is None:
       positions_BxT = slots_BxT
     emb = target.embed_tokens(tokens_BxT)
     x = self.fc(jnp.concatenate([emb, features_BxTxD.astype(emb.dtype)], axis=-1))
-    mask = causal_mask(slots_BxT, cache.num_slots)
-    x, ck, cv = self.layer(x, positions_BxT, mask, cache.k[0], cache.v[0], write_slot_B)
+    mask = causal_mask(slots_BxT, cache.num_slots) if mask_BxTxS is None else mask_BxTxS
+    x, ck, cv = self.layer(x, positions_BxT, mask, cache.k[0], cache.v[0], write_slot_B,
+                           kv_index_BxTxS)
     feature = self.norm(x)
     return target.logits(feature), feature, KVCache((ck,), (cv,))
 

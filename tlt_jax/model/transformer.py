@@ -180,7 +180,8 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = H, K, hd
     self.cfg = cfg
 
-  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache_k, cache_v, write_slot_B):
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache_k, cache_v, write_slot_B,
+               kv_index_BxTxS=None):
     B, T, _ = x_BxTxD.shape
     hd = self.head_dim
     q = self.q_proj(x_BxTxD).reshape(B, T, self.num_heads, hd)
@@ -199,8 +200,27 @@ class Attention(nnx.Module):
       k_all, v_all = cache_k, cache_v
     else:
       k_all, v_all = k, v
-    out = ops.attention(q, k_all, v_all, mask_BxTxS, scale=1.0 / math.sqrt(hd))
+    if kv_index_BxTxS is None:
+      out = ops.attention(q, k_all, v_all, mask_BxTxS, scale=1.0 / math.sqrt(hd))
+    else:
+      out = _per_query_attention(q, k_all, v_all, mask_BxTxS, kv_index_BxTxS, 1.0 / math.sqrt(hd))
     return self.o_proj(out.reshape(B, T, self.num_heads * hd)), cache_k, cache_v
+
+
+def _per_query_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, kv_index_BxTxS, scale):
+  """Each query attends its own layout of the cache: virtual slot s holds physical slot
+  kv_index[b, t, s]. A tree node then sees its path's keys at the slots plain decoding would
+  have put them in, so its outputs are bitwise plain decoding's (the kernels reduce in slot
+  order). Every query becomes a batch row of its own; batch-invariant kernels make that free
+  of any numeric effect."""
+  B, T, H, D = q_BxTxHxD.shape
+  S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
+  gather = jax.vmap(lambda c, idx: c[idx])  # [S, K, D], [T, S] -> [T, S, K, D]
+  k_q = gather(k_BxSxKxD, kv_index_BxTxS).reshape(B * T, S, K, D)
+  v_q = gather(v_BxSxKxD, kv_index_BxTxS).reshape(B * T, S, K, D)
+  out = ops.attention(q_BxTxHxD.reshape(B * T, 1, H, D), k_q, v_q,
+                      mask_BxTxS.reshape(B * T, 1, S), scale=scale)
+  return out.reshape(B, T, H, D)
 
 
 class MLP(nnx.Module):
@@ -223,9 +243,9 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.jnp_dtype)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, positions, mask, cache_k, cache_v, write_slot):
+  def __call__(self, x, positions, mask, cache_k, cache_v, write_slot, kv_index=None):
     attn_out, cache_k, cache_v = self.self_attn(
-        self.input_layernorm(x), positions, mask, cache_k, cache_v, write_slot)
+        self.input_layernorm(x), positions, mask, cache_k, cache_v, write_slot, kv_index)
     x = x + attn_out
     x = x + self.mlp(self.post_attention_layernorm(x))
     return x, cache_k, cache_v
@@ -272,13 +292,16 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None, *,
                cache: KVCache | None = None, write_slot_B: jax.Array | None = None,
-               mask_BxTxS: jax.Array | None = None) -> ForwardOut:
+               mask_BxTxS: jax.Array | None = None,
+               kv_index_BxTxS: jax.Array | None = None) -> ForwardOut:
     """Forward over T new tokens per row.
 
     Without a cache, attention is over the T tokens themselves (causal unless `mask_BxTxS` is
     given, S = T). With a cache, the new keys/values are written at slots
     `write_slot_B[b] + 0..T-1` first and attention runs over all S cache slots; the default mask
     is causal in slot order (slot <= the query's slot). Positions default to the slots.
+    `kv_index_BxTxS` (with a cache and an explicit mask over virtual slots) gives each query its
+    own slot layout: virtual slot s reads physical slot kv_index[b, t, s] (tree verification).
     """
     B, T = tokens_BxT.shape
     if cache is None:
@@ -301,7 +324,7 @@ class Transformer(nnx.Module):
     for i, layer in enumerate(self.layers):
       ck = cache.k[i] if cache is not None else None
       cv = cache.v[i] if cache is not None else None
-      x, ck, cv = layer(x, positions_BxT, mask_BxTxS, ck, cv, write_slot_B)
+      x, ck, cv = layer(x, positions_BxT, mask_BxTxS, ck, cv, write_slot_B, kv_index_BxTxS)
       new_k.append(ck)
       new_v.append(cv)
     hidden = self.norm(x)

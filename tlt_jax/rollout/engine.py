@@ -61,6 +61,8 @@ class EngineConfig:
       raise ValueError(f"buckets must be increasing positive sizes, got {self.buckets}")
     if self.max_prompt_len < 1 or self.max_new_tokens < 1 or self.chunk_steps < 1:
       raise ValueError("max_prompt_len, max_new_tokens and chunk_steps must be >= 1")
+    if self.verification == "rejection" and any(a.is_tree for a in self.arms):
+      raise ValueError("tree arms support verification='gumbel' only")
 
   @property
   def max_depth(self) -> int:
@@ -68,8 +70,9 @@ class EngineConfig:
 
   @property
   def num_slots(self) -> int:
-    """Prompt + response + one verify window, padded to the attention's KV split size."""
-    return round_up(self.max_prompt_len + self.max_new_tokens + self.max_depth + 1, ops.KV_SPLIT)
+    """Prompt + response + one draft/verify window, padded to the attention's KV split size."""
+    window = max(a.draft_slots for a in self.arms)
+    return round_up(self.max_prompt_len + self.max_new_tokens + window, ops.KV_SPLIT)
 
 
 class Slots(NamedTuple):
@@ -222,33 +225,159 @@ def _sd_step(target, drafter, cfg: EngineConfig, depth: int, s: Slots, seed):
     emitted, accept_BxK = _rejection_emit(s, seed, depth, drafts_BxK, draft_masked,
                                           target_masked.reshape(B, K1, -1), target_tok)
   accepted = jnp.sum(jnp.cumprod(accept_BxK.astype(jnp.int32), axis=1), axis=1)  # [B] 0..depth
-  n_emit = accepted + 1
-  # Stop at the first EOS and at max_new.
-  eos_BxK1 = _is_eos(emitted.reshape(-1), cfg).reshape(B, K1)
+  logits_BxK1xV = target_masked.reshape(B, K1, -1)
+  return _commit(target, drafter, cfg, s, seed, out.cache, draft_cache, emitted, accepted,
+                 logits_BxK1xV, out.hidden_BxTxD)
+
+
+def _commit(target, drafter, cfg, s: Slots, seed, cache, draft_cache, emitted_BxK1, accepted_B,
+            masked_logits_BxK1xV, hidden_BxK1xD):
+  """Emits tokens 0..accepted of `emitted` (cut at EOS and max_new) and advances the slots.
+
+  emitted[:, i] is the i-th token after the current one; its logits and hidden state are row i
+  of masked_logits / hidden (the target's output at the i-th node of the accepted path).
+  """
+  del seed
+  B, K1 = emitted_BxK1.shape
+  depth = K1 - 1
+  rows = jnp.arange(B)
+  active = s.live & ~s.done
+  n_emit = accepted_B + 1
+  eos_BxK1 = _is_eos(emitted_BxK1.reshape(-1), cfg).reshape(B, K1)
   first_eos = jnp.where(eos_BxK1.any(axis=1), jnp.argmax(eos_BxK1, axis=1) + 1, K1 + 1)
   n_emit = jnp.minimum(jnp.minimum(n_emit, first_eos), s.max_new - s.gen)
   n_emit = jnp.where(active, n_emit, 0)
-  logp = ops.token_logprobs(target_masked.reshape(B, K1, -1), emitted)
+  logp = ops.token_logprobs(masked_logits_BxK1xV, emitted_BxK1)
   out_tokens, out_logprobs, out_hidden = s.out_tokens, s.out_logprobs, s.out_hidden
   for i in range(K1):
     valid = i < n_emit
-    out_tokens = _write_rows(out_tokens, rows, s.gen + i, emitted[:, i], valid)
+    out_tokens = _write_rows(out_tokens, rows, s.gen + i, emitted_BxK1[:, i], valid)
     out_logprobs = _write_rows(out_logprobs, rows, s.gen + i, logp[:, i], valid)
-    out_hidden = _write_rows(out_hidden, rows, s.gen + i, out.hidden_BxTxD[:, i], valid)
+    out_hidden = _write_rows(out_hidden, rows, s.gen + i, hidden_BxK1xD[:, i], valid)
   last = jnp.maximum(n_emit - 1, 0)
   gen = s.gen + n_emit
   done = s.done | (active & ((first_eos <= n_emit) | (gen >= s.max_new)))
   # Re-run the drafter on the committed tokens with the target's features (EAGLE's "extend"):
   # slots pos+1.. get the entries plain decode would have written.
-  _, _, draft_cache = drafter(target, emitted[:, :depth], out.hidden_BxTxD[:, :depth],
+  _, _, draft_cache = drafter(target, emitted_BxK1[:, :depth], hidden_BxK1xD[:, :depth],
                               draft_cache, s.pos + 1)
   moved = n_emit > 0
   s = s._replace(
-      cache=out.cache, draft_cache=draft_cache,
-      token=jnp.where(moved, emitted[rows, last], s.token), pos=s.pos + n_emit,
-      prev_hidden=jnp.where(moved[:, None], out.hidden_BxTxD[rows, last], s.prev_hidden),
+      cache=cache, draft_cache=draft_cache,
+      token=jnp.where(moved, emitted_BxK1[rows, last], s.token), pos=s.pos + n_emit,
+      prev_hidden=jnp.where(moved[:, None], hidden_BxK1xD[rows, last], s.prev_hidden),
       gen=gen, done=done, out_tokens=out_tokens, out_logprobs=out_logprobs, out_hidden=out_hidden)
   return s, jnp.sum(n_emit)
+
+
+def _path_layout(pos_B, ancestors_BxTxA, depth_BxT, num_slots):
+  """Per-query cache layout for tree nodes: virtual slot pos+j holds the node's ancestor at
+  depth j (physical slot pos + ancestor index); slots before pos are the shared prefix."""
+  v = jnp.arange(num_slots)[None, None, :]
+  rel = v - pos_B[:, None, None]                                  # [B, 1, S]
+  A = ancestors_BxTxA.shape[-1]
+  anc = jnp.take_along_axis(ancestors_BxTxA, jnp.clip(rel, 0, A - 1), axis=-1)  # [B, T, S]
+  on_path = (rel >= 0) & (rel <= depth_BxT[..., None])
+  kv_index = jnp.where(on_path, pos_B[:, None, None] + anc, v)
+  mask = (rel < 0) | on_path
+  return kv_index, mask
+
+
+def _tree_step(target, drafter, cfg: EngineConfig, arm: Arm, s: Slots, seed):
+  """One tree round (gumbel verification): draft a tree level by level (beam of top-k nodes,
+  each node's top-k children under the depth's Gumbel noise), verify the `verify` best nodes
+  in one target forward where every node sees exactly its path (bitwise plain decoding),
+  walk the accepted path, move its KV to consecutive slots, emit it plus the bonus token."""
+  B = s.token.shape[0]
+  rows = jnp.arange(B)
+  d, k, n = arm.depth, arm.topk, arm.verify
+  M = 1 + d * k
+  S = s.cache.num_slots
+  greedy = cfg.sampling.temperature == 0.0
+  node_tok = jnp.zeros((B, M), jnp.int32).at[:, 0].set(s.token)
+  node_parent = jnp.full((B, M), -1, jnp.int32)
+  node_depth = jnp.zeros((B, M), jnp.int32)
+  node_score = jnp.zeros((B, M), jnp.float32)
+  node_anc = jnp.zeros((B, M, d + 1), jnp.int32)
+  dlogits, dfeat, draft_cache = drafter(target, s.token[:, None], s.prev_hidden[:, None],
+                                        s.draft_cache, s.pos)
+  beam_idx = jnp.zeros((B, 1), jnp.int32)
+  beam_score = jnp.zeros((B, 1), jnp.float32)
+  for level in range(1, d + 1):
+    W = beam_idx.shape[1]
+    V = dlogits.shape[-1]
+    masked = sampling.masked_logits(dlogits.reshape(B * W, V), cfg.sampling).reshape(B, W, V)
+    logq = jax.nn.log_softmax(masked, axis=-1)
+    if greedy:
+      perturbed = masked
+    else:
+      noise = jax.vmap(lambda sid, p: sampling.gumbel_noise(seed, sid, p, V))(
+          s.sample_id, s.pos + level)
+      perturbed = masked + noise[:, None, :]
+    _, cand_tok = jax.lax.top_k(perturbed, k)                            # [B, W, k]
+    cand_score = beam_score[..., None] + jnp.take_along_axis(logq, cand_tok, axis=-1)
+    new_score, pick = jax.lax.top_k(cand_score.reshape(B, W * k), k)     # [B, k]
+    parent_local = pick // k
+    new_tok = jnp.take_along_axis(cand_tok.reshape(B, W * k), pick, axis=1)
+    parent = jnp.take_along_axis(beam_idx, parent_local, axis=1)
+    new_idx = 1 + (level - 1) * k + jnp.arange(k)
+    node_tok = node_tok.at[:, new_idx].set(new_tok)
+    node_parent = node_parent.at[:, new_idx].set(parent)
+    node_depth = node_depth.at[:, new_idx].set(level)
+    node_score = node_score.at[:, new_idx].set(new_score)
+    anc = jnp.take_along_axis(node_anc, parent[..., None], axis=1).at[..., level].set(new_idx)
+    node_anc = node_anc.at[:, new_idx].set(anc)
+    if level < d:  # feed this level to the drafter, each node seeing its own path
+      depth_BxK = jnp.full((B, k), level, jnp.int32)
+      kv_index, mask = _path_layout(s.pos, anc, depth_BxK, S)
+      feats = jnp.take_along_axis(dfeat, parent_local[..., None], axis=1)
+      dlogits, dfeat, draft_cache = drafter(
+          target, new_tok, feats, draft_cache, s.pos + 1 + (level - 1) * k,
+          positions_BxT=s.pos[:, None] + level, mask_BxTxS=mask, kv_index_BxTxS=kv_index)
+      beam_idx = jnp.broadcast_to(new_idx, (B, k))
+      beam_score = new_score
+  # The root and the n-1 best nodes by draft score (a child never outscores its parent, and
+  # top_k puts the lower index first on ties, so the set contains every chosen node's parents).
+  _, best = jax.lax.top_k(node_score[:, 1:], n - 1)
+  chosen = jnp.sort(jnp.concatenate([jnp.zeros((B, 1), jnp.int32), best + 1], axis=1), axis=1)
+  rank = jnp.full((B, M), -1, jnp.int32).at[rows[:, None], chosen].set(jnp.arange(n))
+  ver_tok = jnp.take_along_axis(node_tok, chosen, axis=1)
+  ver_depth = jnp.take_along_axis(node_depth, chosen, axis=1)
+  parent_of = jnp.take_along_axis(node_parent, chosen, axis=1)
+  ver_parent = jnp.where(parent_of >= 0, jnp.take_along_axis(rank, jnp.maximum(parent_of, 0), 1), -1)
+  ver_anc = jnp.take_along_axis(rank[:, None, :], jnp.take_along_axis(node_anc, chosen[..., None], 1),
+                                axis=2)
+  kv_index, mask = _path_layout(s.pos, ver_anc, ver_depth, S)
+  out = target(ver_tok, s.pos[:, None] + ver_depth, cache=s.cache, write_slot_B=s.pos,
+               mask_BxTxS=mask, kv_index_BxTxS=kv_index)
+  V = out.logits_BxTxV.shape[-1]
+  target_masked = sampling.masked_logits(out.logits_BxTxV.reshape(B * n, V), cfg.sampling)
+  z = sampling.sample_from_masked(
+      target_masked, seed, jnp.repeat(s.sample_id, n), (s.pos[:, None] + ver_depth + 1).reshape(-1),
+      greedy).reshape(B, n)
+  cur = jnp.zeros((B,), jnp.int32)
+  accepted = jnp.zeros((B,), jnp.int32)
+  walking = jnp.ones((B,), bool)
+  path = [cur]
+  for _ in range(d):
+    match = (ver_parent == cur[:, None]) & (ver_tok == z[rows, cur][:, None])
+    found = match.any(axis=1) & walking
+    cur = jnp.where(found, jnp.argmax(match, axis=1).astype(jnp.int32), cur)
+    accepted += found
+    walking &= found
+    path.append(cur)
+  path_BxK1 = jnp.stack(path, axis=1)
+  emitted = jnp.take_along_axis(z, path_BxK1, axis=1)
+  logits_path = target_masked.reshape(B, n, V)[rows[:, None], path_BxK1]
+  hidden_path = out.hidden_BxTxD[rows[:, None], path_BxK1]
+  # Move the accepted path's KV to consecutive slots pos+1.. (gather all, then scatter).
+  keep = jnp.arange(d + 1)[None, :] <= accepted[:, None]
+  src = s.pos[:, None] + path_BxK1
+  dst = jnp.where(keep, s.pos[:, None] + jnp.arange(d + 1)[None, :], S)
+  move = lambda c: c.at[rows[:, None], dst].set(c[rows[:, None], src], mode="drop")
+  cache = KVCache(tuple(move(c) for c in out.cache.k), tuple(move(c) for c in out.cache.v))
+  return _commit(target, drafter, cfg, s, seed, cache, draft_cache, emitted, accepted,
+                 logits_path, hidden_path)
 
 
 def _rejection_emit(s: Slots, seed, depth, drafts_BxK, draft_masked, target_masked_BxK1xV,
@@ -280,7 +409,7 @@ def _rejection_emit(s: Slots, seed, depth, drafts_BxK, draft_masked, target_mask
   return emitted, accept
 
 
-def _decode_chunk(target, drafter, cfg: EngineConfig, depth: int, s: Slots, seed):
+def _decode_chunk(target, drafter, cfg: EngineConfig, arm: Arm, s: Slots, seed):
   """Up to `chunk_steps` rounds on device; stops early when no row is active."""
 
   def cond(carry):
@@ -289,8 +418,10 @@ def _decode_chunk(target, drafter, cfg: EngineConfig, depth: int, s: Slots, seed
 
   def body(carry):
     step, s, emitted = carry
-    if depth:
-      s, n = _sd_step(target, drafter, cfg, depth, s, seed)
+    if arm.is_tree:
+      s, n = _tree_step(target, drafter, cfg, arm, s, seed)
+    elif arm.depth:
+      s, n = _sd_step(target, drafter, cfg, arm.depth, s, seed)
     else:
       s, n = _plain_step(target, drafter, cfg, s, seed)
     return step + 1, s, emitted + n
@@ -346,7 +477,7 @@ class ProgramPool:
     return target, drafter
 
   def _build(self, key):
-    phase, bucket, depth = key
+    phase, bucket, extra = key
     cfg = self.cfg
     if phase == "prefill":
       def fn(params, draft_params, prompts, lengths, sample_ids, max_new, seed):
@@ -357,19 +488,21 @@ class ProgramPool:
               jax.ShapeDtypeStruct((), jnp.int32))
       return jax.jit(fn).lower(self.params, self.draft_params, *args).compile()
     slots = self.slots_shape(bucket)
-    if phase == "decode":
+    if phase == "decode":  # extra = arm name
+      arm = next(a for a in cfg.arms if a.name == extra)
+
       def fn(params, draft_params, s, seed):
         target, drafter = self._models(params, draft_params)
-        return _decode_chunk(target, drafter, cfg, depth, s, seed)
+        return _decode_chunk(target, drafter, cfg, arm, s, seed)
       return jax.jit(fn, donate_argnums=(2,)).lower(
           self.params, self.draft_params, slots, jax.ShapeDtypeStruct((), jnp.int32)).compile()
-    if phase == "insert":  # bucket = destination, depth = prefill bucket
-      new = self.slots_shape(depth)
+    if phase == "insert":  # bucket = destination, extra = prefill bucket
+      new = self.slots_shape(extra)
       return jax.jit(_insert, donate_argnums=(0,)).lower(
-          slots, new, jax.ShapeDtypeStruct((depth,), jnp.int32)).compile()
-    if phase == "compact":  # bucket = source, depth = destination
-      return jax.jit(_compact).lower(slots, jax.ShapeDtypeStruct((depth,), jnp.int32),
-                                     jax.ShapeDtypeStruct((depth,), bool)).compile()
+          slots, new, jax.ShapeDtypeStruct((extra,), jnp.int32)).compile()
+    if phase == "compact":  # bucket = source, extra = destination
+      return jax.jit(_compact).lower(slots, jax.ShapeDtypeStruct((extra,), jnp.int32),
+                                     jax.ShapeDtypeStruct((extra,), bool)).compile()
     if phase == "empty":
       return jax.jit(lambda: _empty(slots)).lower().compile()
     if phase == "hidden_row":
@@ -393,7 +526,7 @@ class ProgramPool:
 
     return jax.eval_shape(init, self.params, self.draft_params)
 
-  def get(self, phase: str, bucket: int, extra: int = 0):
+  def get(self, phase: str, bucket: int, extra: int | str = 0):
     key = (phase, bucket, extra)
     if key not in self.programs:
       self.programs[key] = self._build(key)
@@ -409,7 +542,7 @@ class ProgramPool:
       self.get("empty", b)
       self.get("hidden_row", b)
       for arm in self.allowed_arms[b]:
-        self.get("decode", b, self.cfg_arm_depth(arm))
+        self.get("decode", b, arm)
       for k in buckets:
         if k <= b:
           self.get("insert", b, k)
@@ -417,8 +550,6 @@ class ProgramPool:
             self.get("compact", b, k)
     return self.compiles - before
 
-  def cfg_arm_depth(self, arm_name: str) -> int:
-    return next(a.depth for a in self.cfg.arms if a.name == arm_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -492,15 +623,14 @@ class RolloutEngine:
     while pending or any(r is not None for r in row_sample):
       slots = self._refill(slots, bucket, row_sample, row_prompt, pending, max_new, seed)
       chosen = self._choose_arm(bucket, arm, chunks, sd_after_rounds)
-      depth = chosen.depth
       t0 = time.perf_counter()
       live = sum(r is not None for r in row_sample)
-      slots, emitted, rounds = self.pool.get("decode", bucket, depth)(
+      slots, emitted, rounds = self.pool.get("decode", bucket, chosen.name)(
           self.pool.params, self.pool.draft_params, slots, seed)
       done = np.asarray(slots.done)
       dt = time.perf_counter() - t0
       emitted, rounds = int(emitted), int(rounds)
-      self.target_tokens_processed += bucket * rounds * (depth + 1)
+      self.target_tokens_processed += bucket * rounds * chosen.verify_tokens
       self.tuner.update(bucket, chosen, emitted, dt)
       self.trace.append(ChunkTrace(t0 - t_start, dt, bucket, live, chosen.name, emitted, rounds))
       chunks += 1

@@ -18,16 +18,41 @@ OFF = "off"
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
+  """A decode strategy: plain (depth 0), a chain of `depth` drafts, or a tree of `depth` levels
+  with `topk` children per node of which `verify` tokens (root included) go to the target."""
   name: str
-  depth: int = 0  # draft tokens per verify (chain); 0 = plain decode
+  depth: int = 0
+  topk: int = 0    # 0 = chain
+  verify: int = 0  # tree only
+
+  def __post_init__(self):
+    if self.topk and not 2 <= self.verify <= 1 + self.depth * self.topk:
+      raise ValueError(f"arm {self.name}: a tree of depth {self.depth} x top-{self.topk} has "
+                       f"{1 + self.depth * self.topk} nodes; verify={self.verify} must be in "
+                       f"[2, {1 + self.depth * self.topk}]")
+
+  @property
+  def is_tree(self) -> bool:
+    return self.topk > 0
 
   @property
   def verify_tokens(self) -> int:
+    if self.is_tree:
+      return self.verify
     return self.depth + 1 if self.depth else 1
+
+  @property
+  def draft_slots(self) -> int:
+    """Cache slots past the current position that drafting and verifying write."""
+    return 1 + self.depth * self.topk if self.is_tree else self.depth + 1
 
 
 def default_arms(depths=(2, 4, 6)) -> tuple[Arm, ...]:
   return (Arm(OFF),) + tuple(Arm(f"chain{d}", d) for d in depths)
+
+
+def tree_arm(depth: int, topk: int, verify: int) -> Arm:
+  return Arm(f"tree{depth}_{topk}_{verify}", depth, topk, verify)
 
 
 class Tuner:
