@@ -229,3 +229,26 @@ def test_bad_input_fails_before_any_compile():
   with pytest.raises(ValueError, match="hidden_size: drafter 48 != target 32"):
     RolloutEngine(target, CFG, Drafter(other, nnx.Rngs(0)))
   assert engine.pool.compiles == 0
+
+
+def test_stop_strings_end_a_sample_at_the_string():
+  _, reference = _plain()
+  detok = lambda ids: "".join(chr(ord("a") + i) for i in ids)  # token i -> one letter
+  # A two-token string that occurs in some plain completions (not at their very end).
+  text = {s.sample_id: detok(s.tokens.tolist()) for s in reference}
+  stop = next(t[i:i + 2] for t in text.values() for i in range(1, len(t) - 2))
+  cfg = dataclasses.replace(CFG, stop_strings=(stop,))
+  target, draft = _models()
+  with ops.numerics_mode("batch_invariant"):
+    samples = RolloutEngine(target, cfg, draft, detokenize=detok).generate(
+        PROMPTS, group_size=2, arm=OFF)
+  for ref, got in zip(reference, samples):
+    full = text[ref.sample_id]
+    if stop in full:
+      end = full.index(stop) + len(stop)
+      assert got.finish_reason == "stop" and detok(got.tokens.tolist()) == full[:end]
+      np.testing.assert_array_equal(got.logprobs, ref.logprobs[:end])
+    else:
+      np.testing.assert_array_equal(got.tokens, ref.tokens)
+  with pytest.raises(ValueError, match="detokenize"):
+    RolloutEngine(target, cfg, draft)

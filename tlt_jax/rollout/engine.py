@@ -52,6 +52,8 @@ class EngineConfig:
   arms: tuple[Arm, ...] = default_arms()
   compaction: bool = True
   max_verify_tokens_per_bucket: int = 1024
+  stop_strings: tuple[str, ...] = ()  # checked on the host after each chunk (needs detokenize)
+  compilation_cache_dir: str = ""     # JAX's persistent compilation cache ("" = off)
   seed: int = 0
 
   def __post_init__(self):
@@ -98,7 +100,7 @@ class Sample:
   prompt: list[int]
   tokens: np.ndarray
   logprobs: np.ndarray
-  finish_reason: str          # "eos" | "length"
+  finish_reason: str          # "eos" | "stop" | "length"
   hidden: jax.Array           # [max_new_tokens, D] on device; rows [:len(tokens)] are valid
 
 
@@ -503,6 +505,9 @@ class ProgramPool:
     if phase == "compact":  # bucket = source, extra = destination
       return jax.jit(_compact).lower(slots, jax.ShapeDtypeStruct((extra,), jnp.int32),
                                      jax.ShapeDtypeStruct((extra,), bool)).compile()
+    if phase == "finish":  # mark rows done (a stop string was found on the host)
+      return jax.jit(lambda s, m: s._replace(done=s.done | m), donate_argnums=(0,)).lower(
+          slots, jax.ShapeDtypeStruct((bucket,), bool)).compile()
     if phase == "empty":
       return jax.jit(lambda: _empty(slots)).lower().compile()
     if phase == "hidden_row":
@@ -540,6 +545,8 @@ class ProgramPool:
     for b in buckets:
       self.get("prefill", b)
       self.get("empty", b)
+      if self.cfg.stop_strings:
+        self.get("finish", b)
       self.get("hidden_row", b)
       for arm in self.allowed_arms[b]:
         self.get("decode", b, arm)
@@ -559,7 +566,12 @@ class ProgramPool:
 class RolloutEngine:
 
   def __init__(self, target: Transformer, cfg: EngineConfig, drafter: Drafter | None = None,
-               tuner: Tuner | None = None):
+               tuner: Tuner | None = None, detokenize=None):
+    if cfg.stop_strings and detokenize is None:
+      raise ValueError("stop_strings need a detokenize(token_ids) -> str function")
+    self.detokenize = detokenize
+    if cfg.compilation_cache_dir:
+      jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
     if drafter is not None:
       check_fits(drafter, target.cfg)
     if drafter is None and cfg.max_depth:
@@ -617,6 +629,7 @@ class RolloutEngine:
     row_sample: list[int | None] = [None] * bucket
     row_prompt: dict[int, list[int]] = {}
     results: dict[int, Sample] = {}
+    stopped: dict[int, int] = {}  # sample id -> tokens kept (up to and including a stop string)
     chunks = 0
     seed = np.int32(cfg.seed)  # a host scalar: jnp.int32 would compile a conversion
     t_start = time.perf_counter()
@@ -634,7 +647,9 @@ class RolloutEngine:
       self.tuner.update(bucket, chosen, emitted, dt)
       self.trace.append(ChunkTrace(t0 - t_start, dt, bucket, live, chosen.name, emitted, rounds))
       chunks += 1
-      self._collect(slots, done, row_sample, row_prompt, results, bucket)
+      if cfg.stop_strings:
+        slots, done = self._apply_stop_strings(slots, done, row_sample, stopped, bucket)
+      self._collect(slots, done, row_sample, row_prompt, results, bucket, stopped)
       if cfg.compaction and not pending:
         slots, bucket, row_sample = self._maybe_compact(slots, bucket, row_sample)
     return [results[sid] for sid in sorted(results)]
@@ -672,7 +687,25 @@ class RolloutEngine:
       slots = self.pool.get("empty", bucket)()
     return self.pool.get("insert", bucket, k)(slots, new, rows)
 
-  def _collect(self, slots, done, row_sample, row_prompt, results, bucket):
+  def _apply_stop_strings(self, slots, done, row_sample, stopped, bucket):
+    tokens, gen = np.asarray(slots.out_tokens), np.asarray(slots.gen)
+    newly = np.zeros(bucket, bool)
+    for r, sid in enumerate(row_sample):
+      if sid is None or sid in stopped:
+        continue
+      toks = tokens[r, :int(gen[r])].tolist()
+      if not any(stop in self.detokenize(toks) for stop in self.cfg.stop_strings):
+        continue
+      keep = next(m for m in range(1, len(toks) + 1)
+                  if any(stop in self.detokenize(toks[:m]) for stop in self.cfg.stop_strings))
+      stopped[sid] = keep
+      newly[r] = True
+    if newly.any():
+      slots = self.pool.get("finish", bucket)(slots, newly)
+      done = done | newly
+    return slots, done
+
+  def _collect(self, slots, done, row_sample, row_prompt, results, bucket, stopped):
     finished = [r for r, sid in enumerate(row_sample) if sid is not None and done[r]]
     if not finished:
       return
@@ -682,11 +715,12 @@ class RolloutEngine:
     eos = set(self.cfg.eos_ids)
     for r in finished:
       sid = row_sample[r]
-      n = int(gen[r])
+      n = stopped.get(sid, int(gen[r]))
       toks = tokens[r, :n].copy()
+      reason = ("stop" if sid in stopped else "eos" if int(toks[-1]) in eos else "length")
       results[sid] = Sample(
           sample_id=sid, prompt=row_prompt.pop(sid), tokens=toks, logprobs=logprobs[r, :n].copy(),
-          finish_reason="eos" if n and int(toks[-1]) in eos else "length",
+          finish_reason=reason,
           hidden=self.pool.get("hidden_row", bucket)(slots.out_hidden, np.int32(r)))
       row_sample[r] = None
 
