@@ -252,3 +252,25 @@ def test_stop_strings_end_a_sample_at_the_string():
       np.testing.assert_array_equal(got.tokens, ref.tokens)
   with pytest.raises(ValueError, match="detokenize"):
     RolloutEngine(target, cfg, draft)
+
+
+def test_gumbel_sd_with_a_trained_drafter_is_bitwise_plain_and_accepts_more():
+  from tlt_jax.tlt.drafter_trainer import train_on_sequences  # noqa: PLC0415
+  target, random_drafter = _models()
+  engine, reference = _plain()
+  sequences = [s.prompt + s.tokens.tolist() for s in reference]
+  with ops.numerics_mode("batch_invariant"):
+    more = RolloutEngine(target, dataclasses.replace(CFG, seed=7), None).generate(
+        PROMPTS, group_size=8, arm=OFF)
+    trained = Drafter(target.cfg, nnx.Rngs(1))
+    metrics = train_on_sequences(trained, target, sequences + [s.prompt + s.tokens.tolist()
+                                                               for s in more], steps=150)
+    assert metrics["top1_agreement"] > 0.5
+    accept = {}
+    for name, drafter in (("random", random_drafter), ("trained", trained)):
+      sd_engine = RolloutEngine(target, CFG, drafter)
+      samples = sd_engine.generate(PROMPTS, group_size=2, arm="chain4")
+      _assert_same(reference, samples)
+      chunks = [t for t in sd_engine.trace if t.arm == "chain4"]
+      accept[name] = sum(t.emitted for t in chunks) / sum(t.live * t.rounds for t in chunks)
+  assert accept["trained"] > accept["random"]
