@@ -610,7 +610,8 @@ class RolloutEngine:
 
   def generate(self, prompts: list[list[int]], *, group_size: int = 1, arm: str | None = None,
                max_new_tokens: int | None = None, sd_after_rounds: int = 0,
-               order: list[int] | None = None) -> list[Sample]:
+               order: list[int] | None = None,
+               max_new_per_sample: list[int] | None = None) -> list[Sample]:
     """Samples `group_size` completions per prompt; returns them in sample-id order.
 
     arm: force a strategy ("off", "chain4", ...) instead of the tuner's choice;
@@ -620,7 +621,12 @@ class RolloutEngine:
     self._check_prompts(prompts)
     cfg = self.cfg
     max_new = min(max_new_tokens or cfg.max_new_tokens, cfg.max_new_tokens)
-    requests = [(sid, prompts[sid // group_size]) for sid in range(len(prompts) * group_size)]
+    num_samples = len(prompts) * group_size
+    budgets = list(max_new_per_sample) if max_new_per_sample is not None else [max_new] * num_samples
+    if len(budgets) != num_samples or min(budgets) < 1 or max(budgets) > cfg.max_new_tokens:
+      raise ValueError(f"max_new_per_sample needs {num_samples} budgets in "
+                       f"[1, {cfg.max_new_tokens}]")
+    requests = [(sid, prompts[sid // group_size]) for sid in range(num_samples)]
     if order is not None:
       requests = [requests[i] for i in order]
     pending = collections.deque(requests)
@@ -634,7 +640,7 @@ class RolloutEngine:
     seed = np.int32(cfg.seed)  # a host scalar: jnp.int32 would compile a conversion
     t_start = time.perf_counter()
     while pending or any(r is not None for r in row_sample):
-      slots = self._refill(slots, bucket, row_sample, row_prompt, pending, max_new, seed)
+      slots = self._refill(slots, bucket, row_sample, row_prompt, pending, budgets, seed)
       chosen = self._choose_arm(bucket, arm, chunks, sd_after_rounds)
       t0 = time.perf_counter()
       live = sum(r is not None for r in row_sample)
@@ -663,7 +669,7 @@ class RolloutEngine:
       return self.tuner.arms[OFF]
     return self.tuner.choose(bucket)
 
-  def _refill(self, slots, bucket, row_sample, row_prompt, pending, max_new, seed):
+  def _refill(self, slots, bucket, row_sample, row_prompt, pending, budgets, seed):
     free = [r for r, s in enumerate(row_sample) if s is None]
     if slots is not None and (not free or not pending):
       return slots
@@ -672,15 +678,16 @@ class RolloutEngine:
     prompts = np.zeros((k, self.cfg.max_prompt_len), np.int32)
     lengths = np.ones(k, np.int32)
     sample_ids = np.zeros(k, np.int32)
+    max_new = np.ones(k, np.int32)
     rows = np.full(k, bucket, np.int32)  # padding rows land out of range: dropped
     for i in range(take):
       sid, prompt = pending.popleft()
       prompts[i, :len(prompt)] = prompt
-      lengths[i], sample_ids[i], rows[i] = len(prompt), sid, free[i]
+      lengths[i], sample_ids[i], rows[i], max_new[i] = len(prompt), sid, free[i], budgets[sid]
       row_sample[free[i]] = sid
       row_prompt[sid] = list(prompt)
     new = self.pool.get("prefill", k)(self.pool.params, self.pool.draft_params, prompts, lengths,
-                                      sample_ids, np.full(k, max_new, np.int32), seed)
+                                      sample_ids, max_new, seed)
     self.target_tokens_processed += k * self.cfg.max_prompt_len
     self.prefill_rows += take
     if slots is None:

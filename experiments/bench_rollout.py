@@ -1,0 +1,162 @@
+"""Rollout benchmark: plain vs speculative decoding per batch bucket, and one long-tail batch.
+
+    python -m experiments.bench_rollout [--quick]
+
+Target: a Qwen3-style decoder of 8 layers; drafter: the EAGLE-style layer, warmed up on the
+target's own rollouts (its hidden states) before measuring. For each batch size the engine runs
+plain decode and then lets the tuner pick among its arms (the reported `arm` is its choice
+after exploring). The long-tail part decodes one batch of 64 samples whose length budgets are
+heavy-tailed (Pareto, like reasoning RL responses) three ways: `static` (no compaction, no SD),
+`compaction`, and `compaction_sd` (compaction + the adaptive tuner).
+Prints one JSON object and writes experiments/results/rollout.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tlt_jax import ops
+from tlt_jax.model.drafter import Drafter
+from tlt_jax.model.transformer import ModelConfig, Transformer
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.tuner import OFF, Arm, default_arms, tree_arm
+from tlt_jax.tlt.drafter_trainer import train_on_sequences
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TARGET = ModelConfig(arch="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768,
+                     num_layers=8, num_heads=8, num_kv_heads=2, head_dim=32, qk_norm=True)
+PROMPT_LEN = 16
+
+
+def build_target() -> Transformer:
+  target = Transformer(TARGET, nnx.Rngs(0))
+  emb = target.embed_tokens.embedding  # logits of a few units: a distribution with structure
+  emb.set_value(emb.get_value() * 30.0)
+  return target
+
+
+def prompts(n: int, rng: np.random.Generator) -> list[list[int]]:
+  return [rng.integers(0, TARGET.vocab_size, PROMPT_LEN).tolist() for _ in range(n)]
+
+
+def copy_bandwidth_gbs() -> float:
+  a = np.ones(64 * 2**20 // 4, np.float32)
+  b = np.empty_like(a)
+  start = time.perf_counter()
+  for _ in range(5):
+    np.copyto(b, a)
+  return 5 * 2 * a.nbytes / (time.perf_counter() - start) / 1e9
+
+
+def tokens_per_s(engine: RolloutEngine, batch: list[list[int]], **kwargs) -> tuple[float, list]:
+  engine.trace.clear()
+  start = time.perf_counter()
+  samples = engine.generate(batch, **kwargs)
+  elapsed = time.perf_counter() - start
+  return sum(len(s.tokens) for s in samples) / elapsed, list(engine.trace)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--numerics", default="xla", choices=ops.NUMERICS_MODES)
+  args = parser.parse_args()
+  ops.set_numerics(args.numerics)
+  rng = np.random.default_rng(0)
+  new_tokens = 32 if args.quick else 96
+  buckets = (1, 4, 16) if args.quick else BUCKETS
+  arms = default_arms((2, 4, 6)) + (tree_arm(4, 2, 8),)
+  cfg = EngineConfig(buckets=BUCKETS, max_prompt_len=PROMPT_LEN, max_new_tokens=new_tokens,
+                     chunk_steps=8, sampling=SamplingParams(temperature=1.0), arms=arms,
+                     max_verify_tokens_per_bucket=256)
+  target = build_target()
+
+  # Warm up the drafter on the target's own outputs.
+  t0 = time.perf_counter()
+  plain_engine = RolloutEngine(target, cfg)
+  warm = plain_engine.generate(prompts(64 if args.quick else 256, rng), arm=OFF)
+  drafter = Drafter(TARGET, nnx.Rngs(1))
+  drafter_metrics = train_on_sequences(drafter, target, [s.prompt + s.tokens.tolist() for s in warm],
+                                       steps=150 if args.quick else 600, batch_size=32)
+  warmup_s = time.perf_counter() - t0
+
+  engine = RolloutEngine(target, cfg, drafter)
+  engine.pool.warm_up()
+  per_bucket = []
+  for b in buckets:
+    batch = prompts(b, rng)
+    allowed = engine.tuner.allowed[b]
+    for arm in allowed:  # first executions are slow (allocation): run each once untimed
+      engine.generate(batch, arm=arm)
+    for _ in range(2 if args.quick else 3):  # the tuner explores this bucket on warm programs
+      engine.generate(prompts(b, rng))
+    best = engine.tuner.best(b)
+    by_arm = {}
+    for arm in allowed:
+      tps, trace = tokens_per_s(engine, batch, arm=arm)
+      rounds = [t for t in trace if t.arm == arm]
+      by_arm[arm] = dict(tokens_per_s=tps, accept_len=sum(t.emitted for t in rounds) / max(
+          sum(t.live * t.rounds for t in rounds), 1))
+    per_bucket.append(dict(batch_size=b, plain_tokens_per_s=by_arm[OFF]["tokens_per_s"],
+                           sd_tokens_per_s=by_arm[best]["tokens_per_s"],
+                           speedup=by_arm[best]["tokens_per_s"] / by_arm[OFF]["tokens_per_s"],
+                           accept_len=by_arm[best]["accept_len"], arm=best, arms=by_arm))
+
+  # One long-tail batch: 64 samples, Pareto length budgets (most short, a few at the cap).
+  budgets = np.minimum(np.ceil(4 * (1 + rng.pareto(1.2, 64))), new_tokens).astype(int).tolist()
+  tail_prompts = prompts(64, rng)
+  static_engine = RolloutEngine(target, dataclasses.replace(cfg, compaction=False), drafter)
+  long_tail = {}
+  for name, eng, arm in (("static", static_engine, OFF), ("compaction", engine, OFF),
+                         ("compaction_sd", engine, None)):
+    for _ in range(1 if arm == OFF else 3):  # compile, first executions, tuner exploration
+      eng.generate(tail_prompts, arm=arm, max_new_per_sample=budgets)
+    start = time.perf_counter()
+    eng.trace.clear()
+    eng.generate(tail_prompts, arm=arm, max_new_per_sample=budgets)
+    long_tail[name] = time.perf_counter() - start
+    if name == "compaction_sd":
+      long_tail["trace"] = [dataclasses.asdict(t) for t in eng.trace]
+  long_tail["speedup"] = long_tail["static"] / long_tail["compaction_sd"]
+  long_tail["budgets"] = budgets
+
+  params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(target, nnx.Param)))
+  kv_bytes = 2 * TARGET.num_layers * cfg.num_slots * TARGET.num_kv_heads * TARGET.head_dim * 4
+  bs1 = per_bucket[0]
+  bandwidth = copy_bandwidth_gbs()
+  report = {
+      "target": f"{TARGET.arch} {TARGET.num_layers}x{TARGET.hidden_size} vocab "
+                f"{TARGET.vocab_size} {TARGET.dtype}",
+      "numerics": args.numerics,
+      "new_tokens": new_tokens,
+      "drafter_warmup": dict(seconds=warmup_s, **drafter_metrics),
+      "batch_sizes": per_bucket,
+      "long_tail": long_tail,
+      "roofline_fraction_bs1": (params + kv_bytes) * bs1["plain_tokens_per_s"] / (bandwidth * 1e9),
+      "copy_bandwidth_gbs": bandwidth,
+      "platform": f"{jax.default_backend()} ({platform.machine()}, {os.cpu_count()} cores), "
+                  f"jax {jax.__version__}",
+      "quick": args.quick,
+  }
+  os.makedirs(RESULTS_DIR, exist_ok=True)
+  with open(os.path.join(RESULTS_DIR, "rollout_quick.json" if args.quick else "rollout.json"),
+            "w") as f:
+    json.dump(report, f, indent=2)
+  summary = {k: v for k, v in report.items() if k != "long_tail"}
+  summary["long_tail"] = {k: v for k, v in long_tail.items() if k not in ("trace", "budgets")}
+  print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+  main()
