@@ -29,7 +29,7 @@ from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import ModelConfig, Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.tuner import OFF, Arm, default_arms, tree_arm
+from tlt_jax.rollout.tuner import OFF, default_arms, tree_arm
 from tlt_jax.tlt.drafter_trainer import train_on_sequences
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

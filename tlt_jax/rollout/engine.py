@@ -1,5 +1,6 @@
 """Rollout engine: slots padded to batch buckets, on-device decode chunks, continuous batching,
-compaction into smaller buckets, and chain speculative decoding with an EAGLE-style drafter.
+compaction into smaller buckets, and chain / tree speculative decoding with an EAGLE-style
+drafter.
 
 One rollout, as the host sees it:
   pending samples -> prefill into free slots -> decode chunk (N steps on device, plain or SD)
@@ -13,8 +14,9 @@ Exactness (with `numerics="batch_invariant"`): the slot a sample occupies, the b
 chunk size, the refill order and compaction change none of its tokens or log-probs, and `gumbel`
 verification emits exactly the tokens plain decode would: a drafted token is accepted iff it
 equals the target's own Gumbel-argmax at that position, and the target's token is emitted at
-the first mismatch. `rejection` verification is classic speculative sampling (exact in
-distribution only).
+the first mismatch. In a tree, each node attends its own path laid out at the slots plain
+decoding would use (`kv_index`), and the accepted path's KV is moved to consecutive slots.
+`rejection` verification (chains) is classic speculative sampling (exact in distribution only).
 """
 
 from __future__ import annotations
@@ -196,8 +198,6 @@ def _probs(masked_BxV):
 def _sd_step(target, drafter, cfg: EngineConfig, depth: int, s: Slots, seed):
   """One chain round: draft `depth` tokens, verify them in one target forward, commit."""
   B = s.token.shape[0]
-  rows = jnp.arange(B)
-  active = s.live & ~s.done
   greedy = cfg.sampling.temperature == 0.0
   purpose = sampling.PURPOSE_TOKEN if cfg.verification == "gumbel" else sampling.PURPOSE_DRAFT
   # Draft: the first step reads the target's feature, later ones the drafter's own.
@@ -228,18 +228,17 @@ def _sd_step(target, drafter, cfg: EngineConfig, depth: int, s: Slots, seed):
                                           target_masked.reshape(B, K1, -1), target_tok)
   accepted = jnp.sum(jnp.cumprod(accept_BxK.astype(jnp.int32), axis=1), axis=1)  # [B] 0..depth
   logits_BxK1xV = target_masked.reshape(B, K1, -1)
-  return _commit(target, drafter, cfg, s, seed, out.cache, draft_cache, emitted, accepted,
+  return _commit(target, drafter, cfg, s, out.cache, draft_cache, emitted, accepted,
                  logits_BxK1xV, out.hidden_BxTxD)
 
 
-def _commit(target, drafter, cfg, s: Slots, seed, cache, draft_cache, emitted_BxK1, accepted_B,
+def _commit(target, drafter, cfg, s: Slots, cache, draft_cache, emitted_BxK1, accepted_B,
             masked_logits_BxK1xV, hidden_BxK1xD):
   """Emits tokens 0..accepted of `emitted` (cut at EOS and max_new) and advances the slots.
 
   emitted[:, i] is the i-th token after the current one; its logits and hidden state are row i
   of masked_logits / hidden (the target's output at the i-th node of the accepted path).
   """
-  del seed
   B, K1 = emitted_BxK1.shape
   depth = K1 - 1
   rows = jnp.arange(B)
@@ -378,7 +377,7 @@ def _tree_step(target, drafter, cfg: EngineConfig, arm: Arm, s: Slots, seed):
   dst = jnp.where(keep, s.pos[:, None] + jnp.arange(d + 1)[None, :], S)
   move = lambda c: c.at[rows[:, None], dst].set(c[rows[:, None], src], mode="drop")
   cache = KVCache(tuple(move(c) for c in out.cache.k), tuple(move(c) for c in out.cache.v))
-  return _commit(target, drafter, cfg, s, seed, cache, draft_cache, emitted, accepted,
+  return _commit(target, drafter, cfg, s, cache, draft_cache, emitted, accepted,
                  logits_path, hidden_path)
 
 
