@@ -1,0 +1,1 @@
+"""RL: advantage estimators and policy losses, verifiable rewards."""
