@@ -80,7 +80,6 @@ def _sympy_equal(a: str, b: str) -> bool:
     return False
   try:
     import sympy  # noqa: PLC0415
-    from sympy.parsing.latex import parse_latex  # noqa: F401, PLC0415
   except ImportError:
     return False
   try:
