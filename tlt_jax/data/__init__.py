@@ -1,0 +1,1 @@
+"""Prompt datasets: JSONL / Parquet readers, grain pipelines, synthetic verifiable tasks."""
