@@ -274,3 +274,11 @@ def test_gumbel_sd_with_a_trained_drafter_is_bitwise_plain_and_accepts_more():
       chunks = [t for t in sd_engine.trace if t.arm == "chain4"]
       accept[name] = sum(t.emitted for t in chunks) / sum(t.live * t.rounds for t in chunks)
   assert accept["trained"] > accept["random"]
+
+
+def test_the_rollout_seed_drives_the_noise():
+  _, reference = _plain()
+  _, same = _run(arm=OFF, seed=0)
+  _, other = _run(arm=OFF, seed=5)
+  _assert_same(reference, same)
+  assert any(not np.array_equal(a.tokens, b.tokens) for a, b in zip(reference, other))

@@ -610,7 +610,8 @@ class RolloutEngine:
   def generate(self, prompts: list[list[int]], *, group_size: int = 1, arm: str | None = None,
                max_new_tokens: int | None = None, sd_after_rounds: int = 0,
                order: list[int] | None = None,
-               max_new_per_sample: list[int] | None = None) -> list[Sample]:
+               max_new_per_sample: list[int] | None = None,
+               seed: int | None = None) -> list[Sample]:
     """Samples `group_size` completions per prompt; returns them in sample-id order.
 
     arm: force a strategy ("off", "chain4", ...) instead of the tuner's choice;
@@ -636,7 +637,7 @@ class RolloutEngine:
     results: dict[int, Sample] = {}
     stopped: dict[int, int] = {}  # sample id -> tokens kept (up to and including a stop string)
     chunks = 0
-    seed = np.int32(cfg.seed)  # a host scalar: jnp.int32 would compile a conversion
+    seed = np.int32(cfg.seed if seed is None else seed)  # host scalar: no conversion compile
     t_start = time.perf_counter()
     while pending or any(r is not None for r in row_sample):
       slots = self._refill(slots, bucket, row_sample, row_prompt, pending, budgets, seed)
