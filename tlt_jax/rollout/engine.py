@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 from typing import Any, NamedTuple
 
@@ -55,7 +56,9 @@ class EngineConfig:
   compaction: bool = True
   max_verify_tokens_per_bucket: int = 1024
   stop_strings: tuple[str, ...] = ()  # checked on the host after each chunk (needs detokenize)
-  compilation_cache_dir: str = ""     # JAX's persistent compilation cache ("" = off)
+  # JAX's persistent compilation cache: a restarted run loads its program pool instead of
+  # compiling it ("" = off).
+  compilation_cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "tlt-jax", "xla")
   seed: int = 0
 
   def __post_init__(self):
