@@ -96,5 +96,18 @@ def test_synthetic_arithmetic_is_correct_and_heavy_tailed():
     assert math_reward(row["solution"], row["answer"]) == 1.0
   lengths = np.array([len(r["solution"]) for r in data])
   assert np.percentile(lengths, 95) > 2.5 * np.median(lengths)  # a long tail of long solutions
-  assert scratchpad_add(58, 67) == "8+7+0=15; 5+6+1=12; carry 1"
+  assert scratchpad_add(58, 67) == ("8+7+0=15; 5+6+1=12; carry 1", 125)
   assert make_dataset(5, seed=4) == make_dataset(5, seed=4)
+  assert all("*" not in r["prompt"] for r in make_dataset(50, seed=1, ops=("+",)))
+
+
+def test_slipped_solutions_follow_their_flawed_scratchpad():
+  # slip=1 drops every carry: column 1 writes 5 and loses its carry, column 2 (5+6+0=11) writes 1
+  # and loses its carry, so the flawed answer is 15.
+  rng = np.random.default_rng(0)
+  assert scratchpad_add(58, 67, rng, slip=1.0) == ("8+7+0=15; 5+6+0=11", 15)
+  rows = make_dataset(400, seed=2, ops=("+",), slip=0.5)
+  wrong = [r for r in rows if math_reward(r["solution"], r["answer"]) == 0.0]
+  assert 0.1 * len(rows) < len(wrong) < 0.6 * len(rows)
+  clean = make_dataset(400, seed=2, ops=("+",))
+  assert all(math_reward(r["solution"], r["answer"]) == 1.0 for r in clean)

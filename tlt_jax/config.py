@@ -24,6 +24,36 @@ def default_config() -> ml_collections.ConfigDict:
       targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, model=1))
   c.generate = ml_collections.ConfigDict(dict(max_new_tokens=16, temperature=0.0, num_slots=64))
+  # --- the RL job (python -m tlt_jax.train) ---
+  c.workdir = ""  # "" = runs/<config name>-<time>
+  c.data = ml_collections.ConfigDict(dict(
+      source="synthetic",  # "synthetic" | "files"
+      train_path="", eval_path="",  # .jsonl / .parquet (source="files")
+      prompt_field="question", answer_field="answer",
+      on_error="raise",  # malformed rows: "raise" (names file:line) | "skip" (counted)
+      synthetic_mix="1:0.35,2:0.3,3:0.15,4:0.1,8:0.06,16:0.04",  # digits:share
+      synthetic_ops="+",  # "+", "*" or "+*"
+      synthetic_train=20000, synthetic_eval=256,
+      use_chat_template=True, system_prompt="",
+      shuffle=True))
+  c.rollout = ml_collections.ConfigDict(dict(
+      prompts_per_step=16, group_size=8, max_prompt_len=32, max_new_tokens=192,
+      temperature=1.0, top_k=0, top_p=1.0, chunk_steps=8,
+      buckets=(1, 2, 4, 8, 16, 32, 64, 128), compaction=True, verification="gumbel"))
+  c.rl = ml_collections.ConfigDict(dict(
+      steps=40, algorithm="grpo", loss="",  # loss "" = the algorithm's own
+      # LoRA without regret: LoRA wants ~10x the full fine-tuning LR (lora.rank=0 = full FT).
+      lr=2e-3, warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+      minibatches=1, epochs=1, eps_low=-1.0, eps_high=-1.0,  # < 0 = the loss's default
+      chunk_rows=16,  # rows per length-sorted train chunk (gradients accumulate over chunks)
+      kl_coef=0.0, kl_estimator="k3", tis_cap=2.0,
+      overlong_buffer=0,  # DAPO soft overlong penalty over the last N tokens (0 = off)
+      correct_weight=1.0, format_weight=0.0,
+      reward_workers=2, reward_worker_kind="thread"))
+  c.eval = ml_collections.ConfigDict(dict(every=0, num_problems=256, samples=1, seed=1))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=3, async_save=True, resume=True,
+                                                export_adapter=True))
+  c.metrics = ml_collections.ConfigDict(dict(tensorboard=True, plots=True, progress=True))
   c.lock()
   return c
 
@@ -46,6 +76,18 @@ def validate(c: ml_collections.ConfigDict) -> None:
                     f"model.num_kv_heads={m.num_kv_heads}")
   if c.lora.rank < 0:
     problems.append(f"lora.rank={c.lora.rank} must be >= 0 (0 = full fine-tuning)")
+  r = c.rollout
+  if r.prompts_per_step < 1 or r.group_size < 1:
+    problems.append("rollout.prompts_per_step and rollout.group_size must be >= 1")
+  elif (r.prompts_per_step * r.group_size) % c.rl.minibatches:
+    problems.append(f"rollout.prompts_per_step x group_size = {r.prompts_per_step * r.group_size}"
+                    f" sequences do not split into rl.minibatches={c.rl.minibatches}")
+  if c.data.source not in ("synthetic", "files"):
+    problems.append(f"data.source={c.data.source!r} must be 'synthetic' or 'files'")
+  elif c.data.source == "files" and not (c.data.train_path and c.data.eval_path):
+    problems.append("data.source='files' needs data.train_path and data.eval_path")
+  if c.data.on_error not in ("raise", "skip"):
+    problems.append(f"data.on_error={c.data.on_error!r} must be 'raise' or 'skip'")
   if sum(v == -1 for v in (c.mesh.data, c.mesh.fsdp, c.mesh.model)) > 1:
     problems.append("at most one of mesh.data / mesh.fsdp / mesh.model may be -1")
   if problems:

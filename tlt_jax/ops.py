@@ -22,6 +22,7 @@ sampler, which is what makes the contracts testable.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -88,28 +89,42 @@ def backend() -> str:
   return chosen
 
 
+def _reference_grad(invariant_fn, reference_fn):
+  """`invariant_fn` forward, the VJP of the XLA `reference_fn` (recomputed) backward.
+
+  The contracts are about forward values (sampled tokens, log-probs); gradients need no fixed
+  reduction order. Differentiating the blocked forward itself would run its sequential block
+  loop backward (3-4x slower on CPU), and Pallas calls have no autodiff rule at all."""
+  f = jax.custom_vjp(invariant_fn)
+  f.defvjp(lambda *args: (invariant_fn(*args), args),
+           lambda args, g: jax.vjp(reference_fn, *args)[1](g))
+  return f
+
+
+def _matmul_rows(impl: str):
+  kernel = matmul_kernels.matmul_pallas if impl == "pallas" else matmul_kernels.matmul_blocked_jax
+  return _reference_grad(kernel, jnp.matmul)
+
+
 def matmul(x_NxK: jax.Array, w_KxM: jax.Array) -> jax.Array:
   """x @ w over the last axis of x; leading axes of x are flattened into rows."""
   impl = backend()
   if impl == "xla":
     return jnp.matmul(x_NxK, w_KxM)
   *lead, K = x_NxK.shape
-  rows = x_NxK.reshape(-1, K)
-  if impl == "pallas":
-    out = matmul_kernels.matmul_pallas(rows, w_KxM)
-  else:
-    out = matmul_kernels.matmul_blocked_jax(rows, w_KxM)
+  out = _matmul_rows(impl)(x_NxK.reshape(-1, K), w_KxM)
   return out.reshape(*lead, w_KxM.shape[1])
 
 
 def rms_norm(x: jax.Array, weight_D: jax.Array, eps: float) -> jax.Array:
   """RMSNorm over the last axis, computed in f32 and cast back (as HF does)."""
   impl = backend()
+  reference = functools.partial(rmsnorm_kernels.rms_norm_reference, eps=eps)
   if impl == "xla":
-    return rmsnorm_kernels.rms_norm_reference(x, weight_D, eps)
-  if impl == "pallas":
-    return rmsnorm_kernels.rms_norm_pallas(x, weight_D, eps)
-  return rmsnorm_kernels.rms_norm_blocked_jax(x, weight_D, eps)
+    return reference(x, weight_D)
+  kernel = (rmsnorm_kernels.rms_norm_pallas if impl == "pallas"
+            else rmsnorm_kernels.rms_norm_blocked_jax)
+  return _reference_grad(functools.partial(kernel, eps=eps), reference)(x, weight_D)
 
 
 def attention(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
@@ -120,11 +135,16 @@ def attention(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
   Rows with no visible key (padding) produce zeros rather than NaN.
   """
   impl = backend()
-  if impl == "pallas":
-    return attention_kernels.attention_pallas(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale)
-  if impl == "blocked_jax":
-    return attention_kernels.attention_blocked_jax(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS,
-                                                   scale)
+  reference = functools.partial(_attention_xla, scale=scale)
+  if impl == "xla":
+    return reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS)
+  kernel = (attention_kernels.attention_pallas if impl == "pallas"
+            else attention_kernels.attention_blocked_jax)
+  return _reference_grad(functools.partial(kernel, scale=scale), reference)(
+      q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS)
+
+
+def _attention_xla(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale: float):
   B, T, H, D = q_BxTxHxD.shape
   K = k_BxSxKxD.shape[2]
   q_BxTxKxGxD = q_BxTxHxD.reshape(B, T, K, H // K, D)
@@ -143,11 +163,12 @@ def attention(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
 def log_softmax(logits: jax.Array) -> jax.Array:
   """log_softmax over the last axis, in f32."""
   impl = backend()
+  reference = logsoftmax_kernels.log_softmax_reference
   if impl == "xla":
-    return logsoftmax_kernels.log_softmax_reference(logits)
-  if impl == "pallas":
-    return logsoftmax_kernels.log_softmax_pallas(logits)
-  return logsoftmax_kernels.log_softmax_blocked_jax(logits)
+    return reference(logits)
+  kernel = (logsoftmax_kernels.log_softmax_pallas if impl == "pallas"
+            else logsoftmax_kernels.log_softmax_blocked_jax)
+  return _reference_grad(kernel, reference)(logits)
 
 
 def token_logprobs(logits_BxTxV: jax.Array, tokens_BxT: jax.Array,
@@ -155,8 +176,9 @@ def token_logprobs(logits_BxTxV: jax.Array, tokens_BxT: jax.Array,
   """log p(token) under softmax(logits / temperature); the one definition sampler and trainer share."""
   scaled = logits_BxTxV.astype(jnp.float32) / temperature
   impl = backend()
+  reference = logsoftmax_kernels.token_logprobs_reference
   if impl == "xla":
-    return logsoftmax_kernels.token_logprobs_reference(scaled, tokens_BxT)
-  if impl == "pallas":
-    return logsoftmax_kernels.token_logprobs_pallas(scaled, tokens_BxT)
-  return logsoftmax_kernels.token_logprobs_blocked_jax(scaled, tokens_BxT)
+    return reference(scaled, tokens_BxT)
+  kernel = (logsoftmax_kernels.token_logprobs_pallas if impl == "pallas"
+            else logsoftmax_kernels.token_logprobs_blocked_jax)
+  return _reference_grad(kernel, reference)(scaled, tokens_BxT)

@@ -98,9 +98,12 @@ def _clipped(ratio, adv, eps_low, eps_high):
   return -jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv)
 
 
-def _token_clip_loss(logp_NxT, logp_old_NxT, adv_N, mask_NxT, eps_low, eps_high, agg, max_len):
+def _token_clip_loss(logp_NxT, logp_old_NxT, adv_N, mask_NxT, eps_low, eps_high, agg, max_len,
+                     weights_NxT=None):
   ratio = jnp.exp(logp_NxT - logp_old_NxT)
   loss = _clipped(ratio, adv_N[:, None], eps_low, eps_high)
+  if weights_NxT is not None:  # truncated importance weights (exactly 1.0 when on-policy)
+    loss = loss * weights_NxT
   clipped = (jnp.abs(ratio - 1.0) > jnp.where(adv_N[:, None] >= 0, eps_high, eps_low)) & mask_NxT
   stats = {"clip_fraction": jnp.sum(clipped) / jnp.maximum(jnp.sum(mask_NxT), 1)}
   return aggregate(loss, mask_NxT, agg, max_len), stats
@@ -108,23 +111,23 @@ def _token_clip_loss(logp_NxT, logp_old_NxT, adv_N, mask_NxT, eps_low, eps_high,
 
 @_register(LOSSES, "ppo")
 def ppo_loss(logp_NxT, logp_old_NxT, adv_N, mask_NxT, *, eps_low=0.2, eps_high=0.28,
-             max_len=None):
+             max_len=None, weights_NxT=None):
   return _token_clip_loss(logp_NxT, logp_old_NxT, adv_N, mask_NxT, eps_low, eps_high,
-                          "token_mean", max_len)
+                          "token_mean", max_len, weights_NxT)
 
 
 @_register(LOSSES, "grpo")
 def grpo_loss(logp_NxT, logp_old_NxT, adv_N, mask_NxT, *, eps_low=0.2, eps_high=0.2,
-              max_len=None):
+              max_len=None, weights_NxT=None):
   return _token_clip_loss(logp_NxT, logp_old_NxT, adv_N, mask_NxT, eps_low, eps_high,
-                          "seq_mean_token_mean", max_len)
+                          "seq_mean_token_mean", max_len, weights_NxT)
 
 
 @_register(LOSSES, "dr_grpo")
 def dr_grpo_loss(logp_NxT, logp_old_NxT, adv_N, mask_NxT, *, eps_low=0.2, eps_high=0.2,
-                 max_len=None):
+                 max_len=None, weights_NxT=None):
   return _token_clip_loss(logp_NxT, logp_old_NxT, adv_N, mask_NxT, eps_low, eps_high,
-                          "seq_mean_token_sum_norm", max_len)
+                          "seq_mean_token_sum_norm", max_len, weights_NxT)
 
 
 LOSSES["dapo"] = ppo_loss  # token-mean with clip-higher
@@ -133,14 +136,24 @@ LOSSES["rloo"] = grpo_loss
 
 @_register(LOSSES, "gspo")
 def gspo_loss(logp_NxT, logp_old_NxT, adv_N, mask_NxT, *, eps_low=3e-4, eps_high=4e-4,
-              max_len=None):
+              max_len=None, weights_NxT=None):
   del max_len
   m = mask_NxT.astype(jnp.float32)
-  log_ratio = jnp.sum((logp_NxT - logp_old_NxT) * m, axis=1) / jnp.maximum(m.sum(axis=1), 1.0)
+  n_N = jnp.maximum(m.sum(axis=1), 1.0)
+  log_ratio = jnp.sum((logp_NxT - logp_old_NxT) * m, axis=1) / n_N
   ratio = jnp.exp(log_ratio)
   loss = _clipped(ratio, adv_N, eps_low, eps_high)
+  if weights_NxT is not None:  # a sequence's weight: the mean of its tokens' weights
+    loss = loss * jnp.sum(weights_NxT * m, axis=1) / n_N
   clipped = jnp.abs(ratio - 1.0) > jnp.where(adv_N >= 0, eps_high, eps_low)
   return loss.mean(), {"clip_fraction": clipped.mean()}
+
+
+# How each loss normalises, so a batch can be split into chunks whose gradients add up to the
+# whole batch's: "tokens" losses divide by the number of response tokens, "sequences" losses by
+# the number of rows.
+LOSS_NORMALISER = {"ppo": "tokens", "dapo": "tokens", "grpo": "sequences", "rloo": "sequences",
+                   "dr_grpo": "sequences", "gspo": "sequences"}
 
 
 def kl_penalty(logp_NxT, logp_ref_NxT, estimator: str = "k3"):

@@ -25,7 +25,7 @@ import collections
 import dataclasses
 import os
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -588,6 +588,14 @@ class RolloutEngine:
     self.target_tokens_processed = 0  # prefill + decode + verify tokens through the target
     self.prefill_rows = 0  # prompts prefilled (a mid-rollout SD switch must not add any)
 
+  def update_policy(self, target: Transformer) -> None:
+    """Serve new target weights (e.g. after an RL update; same shapes: no recompile)."""
+    params = nnx.split(target)[1]
+    if jax.tree.structure(params) != jax.tree.structure(self.pool.params):
+      raise ValueError("update_policy needs a model with the engine's parameter structure")
+    self.pool.params = params
+    self.target = target
+
   def update_drafter(self, drafter: Drafter) -> None:
     """Serve new drafter weights (same shapes: no recompile)."""
     check_fits(drafter, self.target.cfg)
@@ -614,12 +622,15 @@ class RolloutEngine:
                max_new_tokens: int | None = None, sd_after_rounds: int = 0,
                order: list[int] | None = None,
                max_new_per_sample: list[int] | None = None,
-               seed: int | None = None) -> list[Sample]:
+               seed: int | None = None,
+               on_finish: Callable[[Sample], None] | None = None) -> list[Sample]:
     """Samples `group_size` completions per prompt; returns them in sample-id order.
 
     arm: force a strategy ("off", "chain4", ...) instead of the tuner's choice;
     sd_after_rounds: plain decode for that many chunks before the tuner may pick SD (tests the
-    mid-rollout switch); order: the order in which samples are admitted (default: by id).
+    mid-rollout switch); order: the order in which samples are admitted (default: by id);
+    on_finish: called with each sample as soon as it finishes (e.g. to score it while the long
+    tail is still decoding).
     """
     self._check_prompts(prompts)
     cfg = self.cfg
@@ -658,7 +669,7 @@ class RolloutEngine:
       chunks += 1
       if cfg.stop_strings:
         slots, done = self._apply_stop_strings(slots, done, row_sample, stopped, bucket)
-      self._collect(slots, done, row_sample, row_prompt, results, bucket, stopped)
+      self._collect(slots, done, row_sample, row_prompt, results, bucket, stopped, on_finish)
       if cfg.compaction and not pending:
         slots, bucket, row_sample = self._maybe_compact(slots, bucket, row_sample)
     return [results[sid] for sid in sorted(results)]
@@ -715,7 +726,7 @@ class RolloutEngine:
       done = done | newly
     return slots, done
 
-  def _collect(self, slots, done, row_sample, row_prompt, results, bucket, stopped):
+  def _collect(self, slots, done, row_sample, row_prompt, results, bucket, stopped, on_finish):
     finished = [r for r, sid in enumerate(row_sample) if sid is not None and done[r]]
     if not finished:
       return
@@ -733,6 +744,8 @@ class RolloutEngine:
           finish_reason=reason,
           hidden=self.pool.get("hidden_row", bucket)(slots.out_hidden, np.int32(r)))
       row_sample[r] = None
+      if on_finish is not None:
+        on_finish(results[sid])
 
   def _maybe_compact(self, slots, bucket, row_sample):
     live_rows = [r for r, s in enumerate(row_sample) if s is not None]

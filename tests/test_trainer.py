@@ -1,0 +1,141 @@
+"""The RL train step: chunked (length-bucketed) gradients equal the whole batch's, against an
+independent pure-JAX loss; on-policy statistics; the LoRA-off reference; NaN safety; full FT."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tlt_jax import ops
+from tlt_jax.model import lora
+from tlt_jax.model.transformer import ModelConfig, Transformer
+from tlt_jax.rl import algorithms
+from tlt_jax.rl.trainer import TrainConfig, Trainer, make_batch, policy_logprobs
+from tlt_jax.rollout.sampling import SamplingParams
+
+CFG = ModelConfig(arch="qwen3", vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
+                  num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, tie_embeddings=True)
+SAMPLING = SamplingParams(temperature=0.8)
+L = 16
+
+
+def _model(with_lora=True):
+  model = Transformer(CFG, nnx.Rngs(0))
+  if with_lora:
+    lora.apply_lora(model, rank=4, alpha=8.0)
+    rng = np.random.default_rng(1)
+    for mod in lora.lora_modules(model).values():  # nonzero B: gradients reach A as well
+      mod.lora_b.set_value(jnp.asarray(0.1 * rng.standard_normal(mod.lora_b[...].shape),
+                                       jnp.float32))
+  return model
+
+
+def _batch(model, n=8):
+  """Prompts of 3 tokens, responses of 1..12 tokens, with the policy's own log-probs."""
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, 32, 3).tolist() for _ in range(n)]
+  responses = [rng.integers(0, 32, int(k)) for k in rng.integers(1, 13, n)]
+  full = make_batch(prompts, responses, [np.zeros(len(r), np.float32) for r in responses],
+                    np.zeros(n, np.float32), L)
+  logp, _ = policy_logprobs(model, jnp.asarray(full.tokens_NxL), SAMPLING)
+  logp = np.asarray(logp)
+  sampler = [logp[i, 2:2 + len(r)] for i, r in enumerate(responses)]
+  adv = rng.standard_normal(n).astype(np.float32)
+  return make_batch(prompts, responses, sampler, adv, L), prompts, responses, adv
+
+
+def _reference_grad(model, batch, loss_name):
+  """The loss over the whole padded batch, written directly (no chunks, no trainer)."""
+  graphdef, params, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+  def loss(p):
+    logp, _ = policy_logprobs(nnx.merge(graphdef, p, rest), jnp.asarray(batch.tokens_NxL),
+                              SAMPLING)
+    value, _ = algorithms.LOSSES[loss_name](logp, jax.lax.stop_gradient(logp),
+                                            jnp.asarray(batch.advantages_N),
+                                            jnp.asarray(batch.mask_NxT))
+    return value
+  return jax.grad(loss)(params)
+
+
+@pytest.mark.parametrize("loss_name", ["grpo", "ppo"])  # a per-sequence and a per-token mean
+def test_chunked_gradients_equal_the_whole_batch(loss_name):
+  model = _model()
+  batch, *_ = _batch(model)
+  expected = _reference_grad(model, batch, loss_name)
+  for rows, bucket in ((8, 32), (3, 8)):  # one chunk; chunks of two lengths with padding rows
+    trainer = Trainer(model, TrainConfig(loss=loss_name, chunk_rows=rows, length_bucket=bucket,
+                                         sampling=SAMPLING, tis_cap=0.0))
+    plan = trainer.plan(batch)
+    lengths = sorted({dev[0].shape[1] for dev, _ in plan[0]})
+    assert (len(lengths) > 1) == (rows < 8)  # the small chunks really are padded differently
+    grads, _ = trainer.gradients(plan[0])
+    for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=2e-5, atol=1e-7)
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(expected)) > 1e-3
+
+
+def test_on_policy_batch_has_zero_mismatch_and_unit_weights():
+  with ops.numerics_mode("batch_invariant"):
+    model = _model()
+    batch, *_ = _batch(model)
+    for minibatches, epochs in ((1, 1), (2, 2)):  # the single-update path and the PPO path
+      trainer = Trainer(_model(), TrainConfig(loss="ppo", minibatches=minibatches, epochs=epochs,
+                                              chunk_rows=4, length_bucket=16, sampling=SAMPLING))
+      before = jax.tree.map(np.asarray, trainer.trainable)
+      stats = trainer.step(batch)
+      assert stats["kl_sample_train"] == 0.0 and stats["logp_abs_diff_max"] == 0.0
+      assert stats["is_weight_mean"] == 1.0 and stats["is_truncated_fraction"] == 0.0
+      moved = [not np.array_equal(a, np.asarray(b))
+               for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trainer.trainable))]
+      assert all(moved)
+    assert stats["clip_fraction"] >= 0.0 and np.isfinite(stats["grad_norm"])
+
+
+def test_reference_is_the_model_with_lora_off():
+  with ops.numerics_mode("batch_invariant"):
+    trainer = Trainer(_model(), TrainConfig(kl_coef=0.1, sampling=SAMPLING))
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 32, (2, 8)), jnp.int32)
+    ref_logp, _ = trainer._logprobs(trainer.reference, tokens)
+    base_logp, _ = policy_logprobs(_model(with_lora=False), tokens, SAMPLING)
+    policy_logp, _ = trainer._logprobs(trainer.trainable, tokens)
+  np.testing.assert_array_equal(np.asarray(ref_logp), np.asarray(base_logp))
+  assert not np.array_equal(np.asarray(policy_logp), np.asarray(base_logp))
+
+
+def test_nan_loss_is_refused_and_keeps_the_parameters():
+  model = _model()
+  batch, *_ = _batch(model)
+  batch.advantages_N[0] = np.nan
+  trainer = Trainer(model, TrainConfig(sampling=SAMPLING))
+  before = jax.tree.map(np.asarray, trainer.trainable)
+  opt_before = jax.tree.map(np.asarray, trainer.opt_state)
+  with pytest.raises(FloatingPointError, match="update was not applied"):
+    trainer.step(batch)
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trainer.trainable)):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  for a, b in zip(jax.tree.leaves(opt_before), jax.tree.leaves(trainer.opt_state)):
+    np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_full_finetuning_trains_every_parameter():
+  model = _model(with_lora=False)
+  batch, *_ = _batch(model)
+  trainer = Trainer(model, TrainConfig(sampling=SAMPLING, kl_coef=0.05))
+  assert trainer.full_finetune
+  n_params = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert len(jax.tree.leaves(trainer.trainable)) == n_params
+  kernel_before = np.asarray(model.layers[0].mlp.up_proj.kernel[...])
+  stats = trainer.step(batch)
+  assert "kl_ref" in stats
+  kernel_after = np.asarray(trainer.policy().layers[0].mlp.up_proj.kernel[...])
+  assert not np.array_equal(kernel_before, kernel_after)
+
+
+def test_bad_config_is_named():
+  with pytest.raises(ValueError, match="unknown algorithm 'grpoo'"):
+    TrainConfig(algorithm="grpoo")
+  with pytest.raises(ValueError, match="sequence 0: prompt 3 \\+ response 20 tokens exceed"):
+    make_batch([[1, 2, 3]], [np.zeros(20, np.int32)], [np.zeros(20, np.float32)],
+               np.zeros(1, np.float32), L)

@@ -1,0 +1,339 @@
+"""The RL train step: trainer log-probs, importance weights, the policy loss, an optax update.
+
+Layout of a rollout batch (N sequences, group-major, each row = prompt + response, right-padded
+to a fixed length L so the step compiles once): position t predicts token t + 1, so every
+per-token array has T = L - 1 columns and `mask_NxT` marks the positions whose next token is a
+response token.
+
+The batch is sorted by length and cut into chunks of `chunk_rows` rows, each padded (on the
+right) only to its own length bucket: most responses are short, and attention cost grows with
+the square of the padded length. Chunks are dealt round-robin into `minibatches`; a minibatch's
+chunk gradients are weighted so they add up to the gradient of the minibatch as one batch.
+Right padding keeps every row's log-probs bitwise what they are at any other padded length.
+
+Per rollout batch:
+  1. (only when there is more than one update) one forward without gradients at the sampling-
+     time parameters: the trainer's log-probs for the PPO ratio. With one update (the default,
+     fully on-policy) the update's own forward is at those parameters and serves instead;
+  2. from the trainer's log-probs at the sampling-time parameters: the sampler/trainer mismatch
+     (`kl_sample_train`, exactly 0.0 in batch-invariant numerics) and truncated importance
+     weights; reference log-probs for the KL term come from the same model with every LoRA
+     parameter zeroed (LoRA off: no second model in memory; full fine-tuning keeps a frozen copy
+     of the initial weights);
+  3. `epochs` passes of `minibatches` clipped-ratio updates.
+Log-probs use the sampler's one definition: log_softmax of the tempered, top-k/top-p masked
+logits (`rollout.sampling.masked_logits`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from tlt_jax import mesh as mesh_lib
+from tlt_jax import ops
+from tlt_jax.rl import algorithms
+from tlt_jax.rollout.sampling import SamplingParams, masked_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  algorithm: str = "grpo"     # advantage estimator (algorithms.ADVANTAGES)
+  loss: str = ""              # policy loss (algorithms.LOSSES); "" = the algorithm's own
+  lr: float = 1e-3
+  warmup_steps: int = 0
+  weight_decay: float = 0.0
+  max_grad_norm: float = 1.0
+  minibatches: int = 1        # updates per epoch over the rollout batch
+  epochs: int = 1
+  eps_low: float | None = None   # None = the loss's default (clip-higher for ppo / dapo)
+  eps_high: float | None = None
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  tis_cap: float = 2.0        # truncated importance sampling cap; 0 = off
+  max_response_len: int = 0   # Dr. GRPO's constant normaliser (tokens)
+  chunk_rows: int = 16        # rows per length-bucketed chunk (a multiple of the data mesh size)
+  length_bucket: int = 32     # chunks are padded to a multiple of this many tokens
+  sampling: SamplingParams = SamplingParams()
+
+  def __post_init__(self):
+    if self.algorithm not in algorithms.ADVANTAGES:
+      raise ValueError(f"unknown algorithm {self.algorithm!r}; choose from "
+                       f"{sorted(algorithms.ADVANTAGES)}")
+    if self.loss_name not in algorithms.LOSSES:
+      raise ValueError(f"unknown loss {self.loss!r}; choose from {sorted(algorithms.LOSSES)}")
+    if self.minibatches < 1 or self.epochs < 1:
+      raise ValueError("minibatches and epochs must be >= 1")
+    if self.kl_estimator not in ("k1", "k3"):
+      raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}")
+
+  @property
+  def loss_name(self) -> str:
+    return self.loss or self.algorithm
+
+
+@dataclasses.dataclass
+class Batch:
+  """Host arrays of one rollout batch (see the module docstring for the layout)."""
+  tokens_NxL: np.ndarray       # int32
+  mask_NxT: np.ndarray         # bool
+  sampler_logp_NxT: np.ndarray  # float32, 0 outside the mask
+  advantages_N: np.ndarray     # float32
+  lengths_N: np.ndarray | None = None  # prompt + response tokens (default: from the mask)
+
+  def take(self, rows: np.ndarray, length: int) -> "Batch":
+    """Rows `rows` (-1 = an empty padding row), cut to `length` tokens."""
+    real = rows >= 0
+    idx = np.where(real, rows, 0)
+    tokens = np.where(real[:, None], self.tokens_NxL[idx, :length], 0)
+    mask = self.mask_NxT[idx, :length - 1] & real[:, None]
+    logp = np.where(mask, self.sampler_logp_NxT[idx, :length - 1], 0.0).astype(np.float32)
+    return Batch(tokens, mask, logp, np.where(real, self.advantages_N[idx], 0.0).astype(np.float32))
+
+  def row_lengths(self) -> np.ndarray:
+    if self.lengths_N is not None:
+      return self.lengths_N
+    last = np.where(self.mask_NxT.any(1), self.mask_NxT.shape[1] - np.argmax(
+        self.mask_NxT[:, ::-1], axis=1), 1)
+    return last + 1
+
+
+def make_batch(prompts: list[list[int]], responses: list[np.ndarray], sampler_logps: list[np.ndarray],
+               advantages_N: np.ndarray, length: int, *, weights_N: np.ndarray | None = None) -> Batch:
+  """Packs (prompt, response, its sampler log-probs) rows; `weights_N` = 0 drops a sequence
+  from the loss (DAPO's filtered groups) without changing the batch shape."""
+  N = len(prompts)
+  tokens = np.zeros((N, length), np.int32)
+  mask = np.zeros((N, length - 1), bool)
+  logp = np.zeros((N, length - 1), np.float32)
+  for i, (p, r, lp) in enumerate(zip(prompts, responses, sampler_logps)):
+    if len(p) + len(r) > length:
+      raise ValueError(f"sequence {i}: prompt {len(p)} + response {len(r)} tokens exceed the "
+                       f"train length {length}")
+    tokens[i, :len(p)] = p
+    tokens[i, len(p):len(p) + len(r)] = r
+    keep = weights_N is None or weights_N[i] > 0
+    mask[i, len(p) - 1:len(p) - 1 + len(r)] = keep
+    logp[i, len(p) - 1:len(p) - 1 + len(r)] = lp
+  lengths = np.array([len(p) + len(r) for p, r in zip(prompts, responses)], np.int32)
+  return Batch(tokens, mask, logp, np.asarray(advantages_N, np.float32), lengths)
+
+
+def policy_logprobs(model, tokens_NxL: jax.Array, sampling: SamplingParams):
+  """(log-probs [N, T] of tokens 1..L-1, per-position entropy [N, T]) under the masked,
+  tempered distribution the sampler draws from."""
+  logits_NxTxV = model(tokens_NxL).logits_BxTxV[:, :-1]
+  masked = masked_logits(logits_NxTxV, sampling)
+  logp = ops.token_logprobs(masked, tokens_NxL[:, 1:])
+  logp_all = jax.nn.log_softmax(masked, axis=-1)
+  entropy = -jnp.sum(jnp.where(jnp.isfinite(logp_all), jnp.exp(logp_all) * logp_all, 0.0), -1)
+  return logp, entropy
+
+
+def _zero_lora(trainable):
+  return jax.tree.map(jnp.zeros_like, trainable)
+
+
+class Trainer:
+  """Owns the trainable parameters (LoRA, or all of them when the model has no LoRA) and the
+  optimizer state; `policy()` is the current model for the rollout engine."""
+
+  def __init__(self, model: nnx.Module, cfg: TrainConfig, mesh: jax.sharding.Mesh | None = None):
+    self.cfg = cfg
+    self.mesh = mesh
+    has_lora = bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    self.full_finetune = not has_lora
+    wrt = nnx.LoRAParam if has_lora else nnx.Param
+    if mesh is not None:
+      mesh_lib.shard_model(model, mesh)
+    self.graphdef, self.trainable, self.frozen = nnx.split(model, wrt, ...)
+    schedule = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+    self.tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
+                          optax.adamw(schedule, weight_decay=cfg.weight_decay))
+    self.opt_state = self.tx.init(self.trainable)
+    # Reference for the KL term: LoRA off (zeroed adapters give exactly the base model), or the
+    # initial weights under full fine-tuning.
+    self.reference = None
+    if cfg.kl_coef:
+      self.reference = (jax.tree.map(jnp.copy, self.trainable) if self.full_finetune
+                        else _zero_lora(self.trainable))
+    self.single_update = cfg.minibatches == 1 and cfg.epochs == 1
+    self._prepare = jax.jit(self._prepare_fn)
+    self._grad = jax.jit(self._grad_fn)
+    self._apply = jax.jit(self._apply_fn, donate_argnums=(0, 1))
+
+  # -- what the rest of the run sees
+
+  def policy(self) -> nnx.Module:
+    return nnx.merge(self.graphdef, self.trainable, self.frozen)
+
+  def state(self) -> dict[str, Any]:
+    return {"params": self.trainable, "opt_state": self.opt_state}
+
+  def load_state(self, state: dict[str, Any]) -> None:
+    self.trainable, self.opt_state = state["params"], state["opt_state"]
+
+  # -- device functions
+
+  def _logprobs(self, params, tokens):
+    return policy_logprobs(nnx.merge(self.graphdef, params, self.frozen), tokens,
+                           self.cfg.sampling)
+
+  def _mismatch(self, trainer_logp, sampler_logp, mask, entropy):
+    """Importance weights and the sampler/trainer statistics, from the trainer's log-probs at
+    the sampling-time parameters."""
+    trainer_logp = jax.lax.stop_gradient(trainer_logp)
+    weights, stats = algorithms.truncated_importance_weights(
+        trainer_logp, sampler_logp, mask, self.cfg.tis_cap or 2.0)
+    m = mask.astype(jnp.float32)
+    stats["entropy"] = jnp.sum(jax.lax.stop_gradient(entropy) * m) / jnp.maximum(m.sum(), 1.0)
+    # Max over tokens of |trainer - sampler|: the strictest on-policy check (0.0 when invariant).
+    stats["logp_abs_diff_max"] = jnp.max(jnp.where(mask, jnp.abs(trainer_logp - sampler_logp),
+                                                   0.0))
+    return (weights if self.cfg.tis_cap else None), stats
+
+  def _prepare_fn(self, trainable, reference, tokens, mask, sampler_logp):
+    old_logp, entropy = self._logprobs(trainable, tokens)
+    weights, stats = self._mismatch(old_logp, sampler_logp, mask, entropy)
+    ref_logp = None if reference is None else self._logprobs(reference, tokens)[0]
+    return old_logp, weights, ref_logp, stats
+
+  def _loss_fn(self, trainable, reference, chunk_weight, tokens, mask, sampler_logp, adv,
+               old_logp, weights, ref_logp):
+    cfg = self.cfg
+    logp, entropy = self._logprobs(trainable, tokens)
+    stats = {}
+    if old_logp is None:  # the one update: this forward is at the sampling-time parameters
+      old_logp = jax.lax.stop_gradient(logp)
+      weights, stats = self._mismatch(logp, sampler_logp, mask, entropy)
+      if reference is not None:
+        ref_logp = jax.lax.stop_gradient(self._logprobs(reference, tokens)[0])
+    kw = {"max_len": cfg.max_response_len or None, "weights_NxT": weights}
+    if cfg.eps_low is not None:
+      kw["eps_low"] = cfg.eps_low
+    if cfg.eps_high is not None:
+      kw["eps_high"] = cfg.eps_high
+    pg_loss, loss_stats = algorithms.LOSSES[cfg.loss_name](logp, old_logp, adv, mask, **kw)
+    loss = pg_loss
+    stats = dict(stats, **loss_stats, pg_loss=pg_loss)
+    if ref_logp is not None:
+      kl = algorithms.aggregate(algorithms.kl_penalty(logp, ref_logp, cfg.kl_estimator), mask,
+                                "token_mean")
+      loss = loss + cfg.kl_coef * kl
+      stats["kl_ref"] = kl
+    return loss * chunk_weight, dict(stats, loss=loss)
+
+  def _grad_fn(self, trainable, reference, chunk_weight, *chunk):
+    return jax.grad(self._loss_fn, has_aux=True)(trainable, reference, chunk_weight, *chunk)
+
+  def _apply_fn(self, trainable, opt_state, grads):
+    updates, new_opt_state = self.tx.update(grads, opt_state, trainable)
+    new_trainable = optax.apply_updates(trainable, updates)
+    grad_norm = optax.tree.norm(grads)
+    # A non-finite gradient keeps the previous parameters and optimizer state (the host then
+    # stops the run with the step's statistics): one bad batch never poisons the weights.
+    finite = jnp.isfinite(grad_norm)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    return (jax.tree.map(keep, new_trainable, trainable),
+            jax.tree.map(keep, new_opt_state, opt_state), grad_norm)
+
+  # -- host side
+
+  def _device(self, x):
+    if x is None or self.mesh is None:
+      return x
+    return mesh_lib.shard_batch(jnp.asarray(x), self.mesh)
+
+  def chunks(self, batch: Batch) -> list[list[tuple[np.ndarray, int]]]:
+    """Per minibatch, its chunks as (row indices, padded length); rows sorted by length."""
+    cfg = self.cfg
+    lengths = batch.row_lengths()
+    order = np.argsort(lengths, kind="stable")
+    R = cfg.chunk_rows
+    pad = (-len(order)) % R
+    order = np.concatenate([order, np.full(pad, -1)])
+    full = batch.tokens_NxL.shape[1]
+    chunks = []
+    for i in range(0, len(order), R):
+      rows = order[i:i + R]
+      longest = int(lengths[rows[rows >= 0]].max())
+      chunks.append((rows, min(full, -(-longest // cfg.length_bucket) * cfg.length_bucket)))
+    if len(chunks) < cfg.minibatches:
+      raise ValueError(f"{len(chunks)} chunks of {R} rows cannot make {cfg.minibatches} "
+                       "minibatches: lower trainer chunk_rows or minibatches")
+    return [chunks[m::cfg.minibatches] for m in range(cfg.minibatches)]
+
+  def plan(self, batch: Batch) -> list[list[tuple[tuple, np.float32]]]:
+    """Per minibatch: its chunks on device with their loss weights (summing the weighted chunk
+    losses gives the minibatch's loss as if it were one batch)."""
+    by_token = algorithms.LOSS_NORMALISER[self.cfg.loss_name] == "tokens"
+    plan = []
+    for mb_chunks in self.chunks(batch):
+      parts = [batch.take(rows, length) for rows, length in mb_chunks]
+      tokens_mb = sum(int(p.mask_NxT.sum()) for p in parts)
+      rows_mb = sum(int((rows >= 0).sum()) for rows, _ in mb_chunks)
+      plan.append([
+          ((self._device(p.tokens_NxL), self._device(p.mask_NxT),
+            self._device(p.sampler_logp_NxT), self._device(p.advantages_N)),
+           np.float32(p.mask_NxT.sum() / max(tokens_mb, 1) if by_token
+                      else len(p.advantages_N) / max(rows_mb, 1)))
+          for p in parts])
+    return plan
+
+  def gradients(self, chunk_list, prepared=None):
+    """The minibatch's gradient, accumulated over its chunks, and the per-chunk statistics."""
+    grads, stats = None, []
+    for c, (dev, w) in enumerate(chunk_list):
+      extra = prepared[c] if prepared else (None, None, None)
+      g, st = self._grad(self.trainable, self.reference, w, *dev, *extra)
+      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+      stats.append(st)
+    return grads, stats
+
+  def step(self, batch: Batch) -> dict[str, float]:
+    """One rollout batch: epochs x minibatches updates. Returns host metrics."""
+    cfg = self.cfg
+    plan = self.plan(batch)
+    prep_stats, prep_weights, prepared = [], [], []
+    if not self.single_update:  # log-probs at the sampling-time parameters, before any update
+      for chunk_list in plan:
+        prepared.append([])
+        for dev, w in chunk_list:
+          old_logp, is_w, ref_logp, st = self._prepare(self.trainable, self.reference, *dev[:3])
+          prepared[-1].append((old_logp, is_w, ref_logp))
+          prep_stats.append(st)
+          prep_weights.append(w / len(plan))
+    update_stats, update_weights, grad_norms = [], [], []
+    for _ in range(cfg.epochs):
+      for m, chunk_list in enumerate(plan):
+        grads, stats = self.gradients(chunk_list, prepared[m] if prepared else None)
+        update_stats += stats
+        update_weights += [w / (len(plan) * cfg.epochs) for _, w in chunk_list]
+        self.trainable, self.opt_state, grad_norm = self._apply(self.trainable, self.opt_state,
+                                                                grads)
+        grad_norms.append(float(grad_norm))
+    out = _weighted_stats(update_stats, update_weights)
+    if prep_stats:
+      out.update(_weighted_stats(prep_stats, prep_weights))
+    for k in ("is_weight_max", "logp_abs_diff_max"):
+      out[k] = max(float(s[k]) for s in (prep_stats or update_stats))
+    out["grad_norm"] = float(np.mean(grad_norms))
+    out["train_tokens_padded"] = int(sum(dev[0].shape[0] * dev[0].shape[1]
+                                         for chunk_list in plan for dev, _ in chunk_list))
+    if not all(np.isfinite(grad_norms)) or not np.isfinite(out["loss"]):
+      raise FloatingPointError(
+          "non-finite loss or gradient in the train step; the update was not applied, so the "
+          f"parameters and optimizer state are those before this batch. Step statistics: {out}")
+    return out
+
+
+def _weighted_stats(stats: list[dict], weights: list[float]) -> dict[str, float]:
+  total = max(sum(weights), 1e-30)
+  return {k: float(sum(float(s[k]) * w for s, w in zip(stats, weights)) / total)
+          for k in stats[0]}

@@ -1,0 +1,298 @@
+"""The RL job: rollouts with the engine, verifiable rewards, GRPO-family updates of LoRA weights.
+
+    python -m tlt_jax.train                                   # experiments/configs/tiny_arith.py
+    python -m tlt_jax.train --config experiments/configs/tiny_arith.py:smoke
+    python -m tlt_jax.train --config experiments/configs/X.py --config.rl.lr=1e-3 --config.workdir=runs/a
+
+One step: a batch of prompts from the grain pipeline -> `group_size` samples each (scored in a
+worker pool as they finish) -> advantages -> `rl.trainer` update -> new weights to the engine.
+The workdir gets metrics.jsonl, TensorBoard events (tb/), plots/*.png, checkpoints/ (resumed
+from automatically), export/ (the PEFT adapter) and summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from tlt_jax import config as config_lib
+from tlt_jax import determinism
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = os.path.join(REPO_ROOT, "experiments", "configs", "tiny_arith.py")
+# Named purposes for host-side seeds: one run seed, never call order.
+PURPOSE_ROLLOUT, PURPOSE_EVAL = 1, 2
+
+
+def derived_seed(seed: int, purpose: int, step: int) -> np.int32:
+  return np.int32(np.random.SeedSequence([seed, purpose, step]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def parse_mix(spec: str) -> dict[int, float]:
+  try:
+    return {int(d): float(w) for d, w in (part.split(":") for part in spec.split(","))}
+  except ValueError as e:
+    raise ValueError(f"data.synthetic_mix={spec!r} must look like '1:0.5,2:0.5' ({e})") from None
+
+
+def load_rows(c) -> tuple[list[dict], list[dict], dict]:
+  """(train rows, held-out eval rows, a report). Eval problems never appear in the train rows."""
+  from tlt_jax.data import sources, synthetic  # noqa: PLC0415
+
+  d = c.data
+  if d.source == "synthetic":
+    mix, ops = parse_mix(d.synthetic_mix), tuple(d.synthetic_ops)
+    train = synthetic.make_dataset(d.synthetic_train, c.seed, mix, ops)
+    candidates = synthetic.make_dataset(20 * c.eval.num_problems, c.seed + 7919 * (1 + c.eval.seed),
+                                        mix, ops)
+    report = {"skipped_rows": 0}
+  else:
+    train_report = sources.read_rows(d.train_path, prompt_field=d.prompt_field,
+                                     answer_field=d.answer_field, on_error=d.on_error)
+    eval_report = sources.read_rows(d.eval_path, prompt_field=d.prompt_field,
+                                    answer_field=d.answer_field, on_error=d.on_error)
+    train, candidates = train_report.rows, eval_report.rows
+    report = {"skipped_rows": len(train_report.skipped) + len(eval_report.skipped),
+              "skipped_examples": (train_report.skipped + eval_report.skipped)[:5]}
+  seen = {r["prompt"] for r in train}
+  held_out, picked = [], set()
+  for r in candidates:
+    if r["prompt"] not in seen and r["prompt"] not in picked:
+      held_out.append(r)
+      picked.add(r["prompt"])
+    if len(held_out) == c.eval.num_problems:
+      break
+  if len(held_out) < c.eval.num_problems:
+    print(f"[train] only {len(held_out)} held-out eval problems (asked for "
+          f"{c.eval.num_problems}): the rest also appear in the training rows", file=sys.stderr)
+  report["eval_problems"] = len(held_out)
+  return train, held_out, report
+
+
+def run(c, name: str = "run") -> dict:
+  """Runs (or resumes) the job described by config `c`; returns the summary."""
+  config_lib.validate(c)
+  determinism.configure(c.numerics, c.xla_determinism)  # before JAX creates its backends
+  from tlt_jax import ops  # noqa: PLC0415
+
+  with ops.numerics_mode(c.numerics, c.numerics_backend):
+    return _run(c, name)
+
+
+def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
+  import jax  # noqa: PLC0415
+
+  from tlt_jax import checkpoint as ckpt_lib  # noqa: PLC0415
+  from tlt_jax import metrics as metrics_lib  # noqa: PLC0415
+  from tlt_jax.data.chat import PromptFormatter  # noqa: PLC0415
+  from tlt_jax.data.pipeline import prompt_dataset  # noqa: PLC0415
+  from tlt_jax.evaluate import evaluate  # noqa: PLC0415
+  from tlt_jax.model import hf, lora  # noqa: PLC0415
+  from tlt_jax.rl import algorithms  # noqa: PLC0415
+  from tlt_jax.rl.scoring import RewardScorer, RewardSpec  # noqa: PLC0415
+  from tlt_jax.rl.trainer import TrainConfig, Trainer, make_batch  # noqa: PLC0415
+  from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: PLC0415
+  from tlt_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
+
+  t_start = time.perf_counter()
+  workdir = c.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(c.to_json_best_effort(indent=2))
+  progress = (lambda *a, **k: metrics_lib.progress(*a, **k)) if c.metrics.progress else (
+      lambda *a, **k: metrics_lib.progress(*a, disable=True, **k))
+
+  # --- model, tokenizer, prompts
+  if not c.model.hf_dir:
+    raise ValueError("the RL job needs model.hf_dir: an HF checkpoint with a tokenizer.json")
+  model = hf.load_model(c.model.hf_dir, dtype=c.model.dtype)
+  tokenizer = hf.load_tokenizer(c.model.hf_dir)
+  formatter = PromptFormatter.from_hf_dir(c.model.hf_dir, tokenizer,
+                                          system_prompt=c.data.system_prompt,
+                                          use_chat_template=c.data.use_chat_template)
+  if c.lora.rank > 0:
+    lora.apply_lora(model, rank=c.lora.rank, alpha=c.lora.alpha, targets=tuple(c.lora.targets),
+                    seed=c.seed)
+  eos = model.cfg.eos_token_id
+  eos_ids = tuple(eos) if isinstance(eos, (tuple, list)) else ((eos,) if eos is not None else ())
+  train_rows, eval_rows, data_report = load_rows(c)
+
+  r = c.rollout
+  G, N = r.group_size, r.prompts_per_step * r.group_size
+  sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+  engine = RolloutEngine(model, EngineConfig(
+      buckets=tuple(r.buckets), max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
+      chunk_steps=r.chunk_steps, sampling=sampling, eos_ids=eos_ids,
+      verification=r.verification, compaction=r.compaction, seed=c.seed))
+  rl = c.rl
+  trainer = Trainer(model, TrainConfig(
+      algorithm=rl.algorithm, loss=rl.loss, lr=rl.lr, warmup_steps=rl.warmup_steps,
+      weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm, minibatches=rl.minibatches,
+      epochs=rl.epochs, eps_low=rl.eps_low if rl.eps_low >= 0 else None,
+      eps_high=rl.eps_high if rl.eps_high >= 0 else None, kl_coef=rl.kl_coef,
+      kl_estimator=rl.kl_estimator, tis_cap=rl.tis_cap, max_response_len=r.max_new_tokens,
+      chunk_rows=rl.chunk_rows, sampling=sampling))
+  train_len = r.max_prompt_len + r.max_new_tokens
+  data = iter(prompt_dataset(train_rows, batch_size=r.prompts_per_step, seed=c.seed,
+                             process_index=jax.process_index(),
+                             process_count=jax.process_count(), shuffle=c.data.shuffle))
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.checkpoint.keep,
+                               async_save=c.checkpoint.async_save)
+
+  t0 = time.perf_counter()
+  engine.pool.warm_up()
+  compile_s = time.perf_counter() - t0
+
+  def run_eval(step: int) -> dict:
+    return evaluate(engine, formatter, tokenizer, eval_rows, samples=c.eval.samples,
+                    seed=derived_seed(c.seed, PURPOSE_EVAL, 0), difficulty_key="digits"
+                    if c.data.source == "synthetic" else None)
+
+  # --- resume or start
+  start_step, totals, eval_before = 0, {"rollout_s": 0.0, "train_s": 0.0, "reward_wait_s": 0.0,
+                                        "eval_s": 0.0, "kl_sample_train_max": 0.0,
+                                        "logp_abs_diff_max": 0.0}, None
+  latest = ckpt.latest_step() if c.checkpoint.resume else None
+  if latest is not None:
+    state, meta = ckpt.restore(trainer.state(), latest)
+    trainer.load_state(state)
+    engine.update_policy(trainer.policy())
+    data.set_state(meta["data_iterator"])
+    start_step, totals, eval_before = meta["step"], meta["totals"], meta["eval_before"]
+    print(f"[train] resumed from {workdir}/checkpoints step {start_step}", file=sys.stderr)
+  else:
+    t0 = time.perf_counter()
+    eval_before = run_eval(0)
+    totals["eval_s"] += time.perf_counter() - t0
+
+  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.metrics.tensorboard)
+  scorer = RewardScorer(RewardSpec(rl.correct_weight, rl.format_weight),
+                        workers=rl.reward_workers, kind=rl.reward_worker_kind)
+  if latest is None:
+    writer.write(0, {"eval_accuracy": eval_before["accuracy"]})
+  last_trace: list = []
+  bar = progress(total=rl.steps, initial=start_step, desc=f"RL {name}", unit="step")
+  for step in range(start_step, rl.steps):
+    t_step = time.perf_counter()
+    rows = next(data)
+    prompts = [formatter.encode(row["prompt"]) for row in rows]
+    inner = progress(total=N, desc=f"rollout {step + 1}", unit="sample", leave=False)
+
+    def score_when_done(sample, rows=rows, inner=inner):
+      text = tokenizer.decode(sample.tokens.tolist(), skip_special_tokens=True)
+      scorer.submit(sample.sample_id, text, rows[sample.sample_id // G]["answer"])
+      inner.update(1)
+
+    trace_from = len(engine.trace)
+    t0 = time.perf_counter()
+    samples = engine.generate(prompts, group_size=G, seed=derived_seed(c.seed, PURPOSE_ROLLOUT, step),
+                              on_finish=score_when_done)
+    rollout_s = time.perf_counter() - t0
+    inner.close()
+    scores, reward_wait_s = scorer.results()
+    trace = engine.trace[trace_from:]
+
+    rewards = np.array([scores[i]["reward"] for i in range(N)], np.float32)
+    correct = np.array([scores[i]["correct"] for i in range(N)], np.float32)
+    lengths = np.array([len(s.tokens) for s in samples], np.int32)
+    if rl.overlong_buffer:
+      rewards = rewards + np.asarray(algorithms.overlong_penalty(lengths, r.max_new_tokens,
+                                                                 rl.overlong_buffer))
+    advantages = np.asarray(algorithms.ADVANTAGES[rl.algorithm](rewards, G))
+    mixed = np.asarray(algorithms.mixed_groups(rewards, G))
+    keep = mixed.astype(np.float32) if rl.algorithm == "dapo" else None
+    batch = make_batch([s.prompt for s in samples], [s.tokens for s in samples],
+                       [s.logprobs for s in samples], advantages, train_len, weights_N=keep)
+    t0 = time.perf_counter()
+    stats = trainer.step(batch)
+    engine.update_policy(trainer.policy())
+    train_s = time.perf_counter() - t0
+
+    totals["rollout_s"] += rollout_s
+    totals["train_s"] += train_s
+    totals["reward_wait_s"] += reward_wait_s
+    totals["kl_sample_train_max"] = max(totals["kl_sample_train_max"],
+                                        abs(stats["kl_sample_train"]))
+    totals["logp_abs_diff_max"] = max(totals["logp_abs_diff_max"], stats["logp_abs_diff_max"])
+    record = {
+        "reward_mean": float(rewards.mean()), "correct_mean": float(correct.mean()),
+        "reward_std": float(rewards.std()), "mixed_group_fraction": float(mixed.mean()),
+        "response_len_mean": float(lengths.mean()), "response_len_max": int(lengths.max()),
+        "truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
+        "rollout_s": rollout_s, "reward_wait_s": reward_wait_s, "train_s": train_s,
+        "rollout_tokens_per_s": float(lengths.sum() / rollout_s),
+        "accept_len": float(sum(t.emitted for t in trace) /
+                            max(sum(t.live * t.rounds for t in trace), 1)),
+        **stats}
+    last_trace = trace
+    if c.eval.every and (step + 1) % c.eval.every == 0 and step + 1 < rl.steps:
+      t0 = time.perf_counter()
+      record["eval_accuracy"] = run_eval(step + 1)["accuracy"]
+      totals["eval_s"] += time.perf_counter() - t0
+    record["step_s"] = time.perf_counter() - t_step
+    writer.write(step + 1, record)
+    bar.update(1)
+    bar.set_postfix(reward=f"{record['reward_mean']:.3f}", len=f"{record['response_len_mean']:.0f}")
+    last = step + 1 == rl.steps
+    if (c.checkpoint.every and (step + 1) % c.checkpoint.every == 0) or last:
+      ckpt.save(step + 1, trainer.state(),
+                {"step": step + 1, "data_iterator": data.get_state(), "totals": totals,
+                 "eval_before": eval_before, "tuner": engine.tuner.state_dict(),
+                 "seed": c.seed})
+  bar.close()
+  scorer.close()
+
+  t0 = time.perf_counter()
+  eval_after = run_eval(rl.steps)
+  totals["eval_s"] += time.perf_counter() - t0
+  writer.write(rl.steps, {"eval_accuracy": eval_after["accuracy"]})
+  writer.close()
+  ckpt.wait()
+  ckpt.close()
+  if c.checkpoint.export_adapter and c.lora.rank > 0:
+    ckpt_lib.export_adapter(trainer.policy(), os.path.join(workdir, "export", "adapter"),
+                            base_model_name_or_path=os.path.abspath(c.model.hf_dir))
+  records = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  plots = []
+  if c.metrics.plots:
+    plots = metrics_lib.plot_run(workdir, records, [t.__dict__ for t in last_trace] or None)
+  steps_run = [x for x in records if "reward_mean" in x]
+  summary = {
+      "config": name, "workdir": workdir, "numerics": c.numerics, "algorithm": rl.algorithm,
+      "lora_rank": c.lora.rank, "steps": rl.steps, "resumed_from": start_step or None,
+      "eval_problems": len(eval_rows), "eval_samples": c.eval.samples,
+      "eval_accuracy_before": eval_before["accuracy"], "eval_accuracy_after": eval_after["accuracy"],
+      "eval_before": eval_before, "eval_after": eval_after,
+      "reward_first": steps_run[0]["reward_mean"] if steps_run else None,
+      "reward_last": steps_run[-1]["reward_mean"] if steps_run else None,
+      "wall_s": time.perf_counter() - t_start, "compile_s": compile_s, **totals,
+      "data": data_report, "plots": [os.path.relpath(p, workdir) for p in plots],
+  }
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  return summary
+
+
+def main(argv) -> None:
+  del argv
+  from absl import flags  # noqa: PLC0415
+
+  path = flags.FLAGS["config"].config_filename
+  base = os.path.splitext(os.path.basename(path.split(":")[0]))[0]
+  variant = path.split(":", 1)[1] if ":" in path else ""
+  summary = run(flags.FLAGS.config, name=f"{base}-{variant}" if variant else base)
+  print(json.dumps({k: v for k, v in summary.items() if k not in ("eval_before", "eval_after")},
+                   indent=2))
+
+
+if __name__ == "__main__":
+  from absl import app  # noqa: PLC0415
+  from ml_collections import config_flags  # noqa: PLC0415
+
+  config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "experiment config file[:variant]",
+                                  lock_config=True)
+  app.run(main)
