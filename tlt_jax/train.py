@@ -162,6 +162,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
     trainer.load_state(state)
     engine.update_policy(trainer.policy())
     data.set_state(meta["data_iterator"])
+    engine.tuner.load_state_dict(meta["tuner"])
     start_step, totals, eval_before = meta["step"], meta["totals"], meta["eval_before"]
     print(f"[train] resumed from {workdir}/checkpoints step {start_step}", file=sys.stderr)
   else:
@@ -174,6 +175,10 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
                         workers=rl.reward_workers, kind=rl.reward_worker_kind)
   if latest is None:
     writer.write(0, {"eval_accuracy": eval_before["accuracy"]})
+  def save_meta(step: int) -> dict:
+    return {"step": step, "data_iterator": data.get_state(), "totals": totals,
+            "eval_before": eval_before, "tuner": engine.tuner.state_dict(), "seed": c.seed}
+
   last_trace: list = []
   bar = progress(total=rl.steps, initial=start_step, desc=f"RL {name}", unit="step")
   for step in range(start_step, rl.steps):
@@ -208,7 +213,16 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
     batch = make_batch([s.prompt for s in samples], [s.tokens for s in samples],
                        [s.logprobs for s in samples], advantages, train_len, weights_N=keep)
     t0 = time.perf_counter()
-    stats = trainer.step(batch)
+    try:
+      stats = trainer.step(batch)
+    except FloatingPointError as e:
+      # The update was not applied: save the state as it was, so nothing is lost; resuming
+      # continues with the next batch.
+      ckpt.save(step, trainer.state(), save_meta(step))
+      ckpt.wait()
+      raise FloatingPointError(f"RL step {step + 1}: {e}. The state before this step is saved in "
+                               f"{workdir}/checkpoints/{step}; rerunning with this workdir "
+                               "resumes there and skips this batch.") from e
     engine.update_policy(trainer.policy())
     train_s = time.perf_counter() - t0
 
@@ -239,10 +253,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
     bar.set_postfix(reward=f"{record['reward_mean']:.3f}", len=f"{record['response_len_mean']:.0f}")
     last = step + 1 == rl.steps
     if (c.checkpoint.every and (step + 1) % c.checkpoint.every == 0) or last:
-      ckpt.save(step + 1, trainer.state(),
-                {"step": step + 1, "data_iterator": data.get_state(), "totals": totals,
-                 "eval_before": eval_before, "tuner": engine.tuner.state_dict(),
-                 "seed": c.seed})
+      ckpt.save(step + 1, trainer.state(), save_meta(step + 1))
   bar.close()
   scorer.close()
 

@@ -463,17 +463,31 @@ class ProgramPool:
   """
 
   def __init__(self, target: Transformer, drafter: Drafter | None, cfg: EngineConfig,
-               allowed_arms: dict[int, list[str]]):
+               allowed_arms: dict[int, list[str]],
+               placement: jax.sharding.Sharding | None = None):
     self.cfg = cfg
+    # placement: where every program runs and every array lives (a data-parallel rollout group's
+    # devices, everything replicated over them); None = JAX's default device.
+    self.placement = placement
     self.graphdef, self.params = nnx.split(target)
+    self.params = self.place(self.params)
     if drafter is not None:
       self.draft_graphdef, self.draft_params = nnx.split(drafter)
+      self.draft_params = self.place(self.draft_params)
     else:
       self.draft_graphdef, self.draft_params = None, None
     self.allowed_arms = allowed_arms
     self.programs: dict[tuple, Any] = {}
     self._shapes: dict[int, Slots] = {}
     self.compiles = 0
+
+  def place(self, tree):
+    return tree if self.placement is None else jax.device_put(tree, self.placement)
+
+  def _jit(self, fn, **kw):
+    if self.placement is not None:
+      kw.update(in_shardings=self.placement, out_shardings=self.placement)
+    return jax.jit(fn, **kw)
 
   def _models(self, params, draft_params):
     target = nnx.merge(self.graphdef, params)
@@ -490,7 +504,7 @@ class ProgramPool:
       i32 = jax.ShapeDtypeStruct((bucket,), jnp.int32)
       args = (jax.ShapeDtypeStruct((bucket, cfg.max_prompt_len), jnp.int32), i32, i32, i32,
               jax.ShapeDtypeStruct((), jnp.int32))
-      return jax.jit(fn).lower(self.params, self.draft_params, *args).compile()
+      return self._jit(fn).lower(self.params, self.draft_params, *args).compile()
     slots = self.slots_shape(bucket)
     if phase == "decode":  # extra = arm name
       arm = next(a for a in cfg.arms if a.name == extra)
@@ -498,22 +512,22 @@ class ProgramPool:
       def fn(params, draft_params, s, seed):
         target, drafter = self._models(params, draft_params)
         return _decode_chunk(target, drafter, cfg, arm, s, seed)
-      return jax.jit(fn, donate_argnums=(2,)).lower(
+      return self._jit(fn, donate_argnums=(2,)).lower(
           self.params, self.draft_params, slots, jax.ShapeDtypeStruct((), jnp.int32)).compile()
     if phase == "insert":  # bucket = destination, extra = prefill bucket
       new = self.slots_shape(extra)
-      return jax.jit(_insert, donate_argnums=(0,)).lower(
+      return self._jit(_insert, donate_argnums=(0,)).lower(
           slots, new, jax.ShapeDtypeStruct((extra,), jnp.int32)).compile()
     if phase == "compact":  # bucket = source, extra = destination
-      return jax.jit(_compact).lower(slots, jax.ShapeDtypeStruct((extra,), jnp.int32),
+      return self._jit(_compact).lower(slots, jax.ShapeDtypeStruct((extra,), jnp.int32),
                                      jax.ShapeDtypeStruct((extra,), bool)).compile()
     if phase == "finish":  # mark rows done (a stop string was found on the host)
-      return jax.jit(lambda s, m: s._replace(done=s.done | m), donate_argnums=(0,)).lower(
+      return self._jit(lambda s, m: s._replace(done=s.done | m), donate_argnums=(0,)).lower(
           slots, jax.ShapeDtypeStruct((bucket,), bool)).compile()
     if phase == "empty":
-      return jax.jit(lambda: _empty(slots)).lower().compile()
+      return self._jit(lambda: _empty(slots)).lower().compile()
     if phase == "hidden_row":
-      return jax.jit(lambda h, r: h[r]).lower(
+      return self._jit(lambda h, r: h[r]).lower(
           slots.out_hidden, jax.ShapeDtypeStruct((), jnp.int32)).compile()
     raise KeyError(key)
 
@@ -568,7 +582,8 @@ class ProgramPool:
 class RolloutEngine:
 
   def __init__(self, target: Transformer, cfg: EngineConfig, drafter: Drafter | None = None,
-               tuner: Tuner | None = None, detokenize=None):
+               tuner: Tuner | None = None, detokenize=None,
+               placement: jax.sharding.Sharding | None = None):
     if cfg.stop_strings and detokenize is None:
       raise ValueError("stop_strings need a detokenize(token_ids) -> str function")
     self.detokenize = detokenize
@@ -583,7 +598,7 @@ class RolloutEngine:
     self.tuner = tuner or Tuner(cfg.arms, cfg.buckets,
                                 max_verify_tokens_per_bucket=cfg.max_verify_tokens_per_bucket,
                                 seed=cfg.seed)
-    self.pool = ProgramPool(target, drafter, cfg, self.tuner.allowed)
+    self.pool = ProgramPool(target, drafter, cfg, self.tuner.allowed, placement)
     self.trace: list[ChunkTrace] = []
     self.target_tokens_processed = 0  # prefill + decode + verify tokens through the target
     self.prefill_rows = 0  # prompts prefilled (a mid-rollout SD switch must not add any)
@@ -593,13 +608,13 @@ class RolloutEngine:
     params = nnx.split(target)[1]
     if jax.tree.structure(params) != jax.tree.structure(self.pool.params):
       raise ValueError("update_policy needs a model with the engine's parameter structure")
-    self.pool.params = params
+    self.pool.params = self.pool.place(params)
     self.target = target
 
   def update_drafter(self, drafter: Drafter) -> None:
     """Serve new drafter weights (same shapes: no recompile)."""
     check_fits(drafter, self.target.cfg)
-    self.pool.draft_params = nnx.split(drafter)[1]
+    self.pool.draft_params = self.pool.place(nnx.split(drafter)[1])
     self.drafter = drafter
 
   def _bucket_for(self, n: int) -> int:
@@ -618,19 +633,33 @@ class RolloutEngine:
       if min(p) < 0 or max(p) >= V:
         raise ValueError(f"prompt {i} has token ids outside [0, {V})")
 
-  def generate(self, prompts: list[list[int]], *, group_size: int = 1, arm: str | None = None,
-               max_new_tokens: int | None = None, sd_after_rounds: int = 0,
-               order: list[int] | None = None,
-               max_new_per_sample: list[int] | None = None,
-               seed: int | None = None,
-               on_finish: Callable[[Sample], None] | None = None) -> list[Sample]:
-    """Samples `group_size` completions per prompt; returns them in sample-id order.
+  def generate(self, prompts: list[list[int]], **kw) -> list[Sample]:
+    """Samples `group_size` completions per prompt; returns them in sample-id order (keyword
+    arguments: see `rollout`)."""
+    run = self.rollout(prompts, **kw)
+    while True:
+      try:
+        next(run)
+      except StopIteration as finished:
+        return finished.value
+
+  def rollout(self, prompts: list[list[int]], *, group_size: int = 1, arm: str | None = None,
+              max_new_tokens: int | None = None, sd_after_rounds: int = 0,
+              order: list[int] | None = None,
+              max_new_per_sample: list[int] | None = None,
+              seed: int | None = None,
+              on_finish: Callable[[Sample], None] | None = None,
+              first_sample_id: int = 0):
+    """`generate` as a generator: it yields right after dispatching each decode chunk (before
+    waiting for it), so a host loop can interleave the rollouts of several engines on disjoint
+    devices, or other device work; the samples are its return value.
 
     arm: force a strategy ("off", "chain4", ...) instead of the tuner's choice;
     sd_after_rounds: plain decode for that many chunks before the tuner may pick SD (tests the
     mid-rollout switch); order: the order in which samples are admitted (default: by id);
     on_finish: called with each sample as soon as it finishes (e.g. to score it while the long
-    tail is still decoding).
+    tail is still decoding); first_sample_id: sample ids start there (a data-parallel group
+    decodes its share of a batch under the batch's ids, so its tokens are the same).
     """
     self._check_prompts(prompts)
     cfg = self.cfg
@@ -640,7 +669,8 @@ class RolloutEngine:
     if len(budgets) != num_samples or min(budgets) < 1 or max(budgets) > cfg.max_new_tokens:
       raise ValueError(f"max_new_per_sample needs {num_samples} budgets in "
                        f"[1, {cfg.max_new_tokens}]")
-    requests = [(sid, prompts[sid // group_size]) for sid in range(num_samples)]
+    requests = [(first_sample_id + i, prompts[i // group_size], budgets[i])
+                for i in range(num_samples)]
     if order is not None:
       requests = [requests[i] for i in order]
     pending = collections.deque(requests)
@@ -654,12 +684,13 @@ class RolloutEngine:
     seed = np.int32(cfg.seed if seed is None else seed)  # host scalar: no conversion compile
     t_start = time.perf_counter()
     while pending or any(r is not None for r in row_sample):
-      slots = self._refill(slots, bucket, row_sample, row_prompt, pending, budgets, seed)
+      slots = self._refill(slots, bucket, row_sample, row_prompt, pending, seed)
       chosen = self._choose_arm(bucket, arm, chunks, sd_after_rounds)
       t0 = time.perf_counter()
       live = sum(r is not None for r in row_sample)
       slots, emitted, rounds = self.pool.get("decode", bucket, chosen.name)(
           self.pool.params, self.pool.draft_params, slots, seed)
+      yield bucket, live  # dispatched, not waited for
       done = np.asarray(slots.done)
       dt = time.perf_counter() - t0
       emitted, rounds = int(emitted), int(rounds)
@@ -683,7 +714,7 @@ class RolloutEngine:
       return self.tuner.arms[OFF]
     return self.tuner.choose(bucket)
 
-  def _refill(self, slots, bucket, row_sample, row_prompt, pending, budgets, seed):
+  def _refill(self, slots, bucket, row_sample, row_prompt, pending, seed):
     free = [r for r, s in enumerate(row_sample) if s is None]
     if slots is not None and (not free or not pending):
       return slots
@@ -695,9 +726,9 @@ class RolloutEngine:
     max_new = np.ones(k, np.int32)
     rows = np.full(k, bucket, np.int32)  # padding rows land out of range: dropped
     for i in range(take):
-      sid, prompt = pending.popleft()
+      sid, prompt, budget = pending.popleft()
       prompts[i, :len(prompt)] = prompt
-      lengths[i], sample_ids[i], rows[i], max_new[i] = len(prompt), sid, free[i], budgets[sid]
+      lengths[i], sample_ids[i], rows[i], max_new[i] = len(prompt), sid, free[i], budget
       row_sample[free[i]] = sid
       row_prompt[sid] = list(prompt)
     new = self.pool.get("prefill", k)(self.pool.params, self.pool.draft_params, prompts, lengths,
