@@ -57,7 +57,7 @@ def _buffer():
   """Rollouts of the target itself: the drafter's training data."""
   target, _ = _models()
   with ops.numerics_mode("batch_invariant"):
-    samples, _ = _grouped().generate(PROMPTS, group_size=2, seed=5, arm=OFF)
+    samples = _grouped().generate(PROMPTS, group_size=2, seed=5, arm=OFF)
   buffer = DrafterBuffer(window_steps=2)
   buffer.add(0, samples)
   return buffer
@@ -67,7 +67,8 @@ def test_grouped_rollout_is_bitwise_one_engine():
   target, drafter = _models()
   with ops.numerics_mode("batch_invariant"):
     single = RolloutEngine(target, CFG, drafter).generate(PROMPTS, group_size=2, seed=7, arm=OFF)
-    grouped, report = _grouped().generate(PROMPTS, group_size=2, seed=7)  # the tuner picks SD
+    grouped = _grouped().generate(PROMPTS, group_size=2, seed=7)  # the tuner picks SD
+    report = _grouped().last_report
   assert [s.sample_id for s in grouped] == list(range(16))
   for a, b in zip(single, grouped):
     np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -85,8 +86,9 @@ def test_drafter_trains_only_on_devices_of_finished_groups():
   spot = SpotTrainer(drafter, target, _buffer(), SPOT)
   assert spot.refresh_data() > 0
   with ops.numerics_mode("batch_invariant"):
-    _, report = _grouped().generate(PROMPTS, group_size=2, seed=3, arm=OFF, spot=spot,
-                                    max_new_per_sample=_budgets(1, 12))
+    _grouped().generate(PROMPTS, group_size=2, seed=3, arm=OFF, spot=spot,
+                        max_new_per_sample=_budgets(1, 12))
+    report = _grouped().last_report
   assert report.drafter_steps > 0 and report.group_finish_s[0] < report.group_finish_s[1]
   group0, group1 = frozenset(jax.devices()[:1]), frozenset(jax.devices()[1:2])
   for busy, live in zip(report.drafter_busy_devices, report.live_devices_at_step):
@@ -123,7 +125,8 @@ def test_engines_serve_the_newest_published_drafter():
   grouped = _grouped()
   with ops.numerics_mode("batch_invariant"):
     grouped.update_drafter(drafter, 0)
-    _, before = grouped.generate(PROMPTS, group_size=2, seed=11, arm="chain3")
+    grouped.generate(PROMPTS, group_size=2, seed=11, arm="chain3")
+    before = grouped.last_report
     spot = SpotTrainer(drafter, target, _buffer(), SpotConfig(rows=2, row_len=32, lr=3e-2))
     spot.refresh_data()
     spot.lend(jax.devices()[3:4])
@@ -131,7 +134,8 @@ def test_engines_serve_the_newest_published_drafter():
       spot.step()
     new, version = spot.publish()
     grouped.update_drafter(new, version)
-    _, after = grouped.generate(PROMPTS, group_size=2, seed=11, arm="chain3")
+    grouped.generate(PROMPTS, group_size=2, seed=11, arm="chain3")
+    after = grouped.last_report
   assert grouped.drafter_version == 1
   for engine, devices in zip(grouped.engines, grouped.device_groups):
     served = engine.pool.draft_params

@@ -13,6 +13,8 @@ from tlt_jax import metrics, train
 
 CONFIG = os.path.join(train.REPO_ROOT, "experiments", "configs", "tiny_arith.py")
 TIMING = {"rollout_s", "reward_wait_s", "train_s", "step_s", "rollout_tokens_per_s"}
+TLT_ONLY = {"accept_len", "sd_chunk_fraction", "drafter_version", "buffer_tokens", "drafter_steps", "idle_device_s",
+            "drafter_steps_total"}
 
 
 def _config(variant="smoke"):
@@ -57,29 +59,64 @@ def test_smoke_run_writes_its_outputs(smoke):
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3", "6"]
 
 
+def _rows(workdir, drop=TIMING):
+  return [{k: v for k, v in r.items() if k not in drop and not k.startswith("drafter_")}
+          for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
+
+
+def _adapter(workdir):
+  return safetensors.numpy.load_file(
+      os.path.join(workdir, "export", "adapter", "adapter_model.safetensors"))
+
+
+def _assert_same_adapter(a, b):
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_tlt_changes_nothing_but_time(tmp_path):
+  """Speculative decoding (gumbel) across two rollout groups with the drafter trained on idle
+  devices gives the run without any of it: same tokens (so rewards), losses and LoRA params."""
+  def config(workdir, tlt):
+    c = _config()
+    c.workdir, c.rl.steps = str(workdir), 2
+    c.eval.num_problems = 8
+    c.rollout.buckets = (4, 16)
+    c.metrics.plots = c.metrics.tensorboard = False
+    if tlt:
+      c.rollout.groups = 2
+      c.tlt.enabled, c.tlt.arms, c.tlt.rows, c.tlt.row_len = True, "chain3", 4, 64
+    return c
+
+  off = train.run(config(tmp_path / "off", False))
+  on = train.run(config(tmp_path / "on", True))
+  assert on["tlt"] and on["spot_training"] and not off["tlt"]
+  assert on["drafter_steps"] > 0  # the drafter really trained during the rollouts
+  records = metrics.read_jsonl(str(tmp_path / "on" / "metrics.jsonl"))
+  assert max(r.get("sd_chunk_fraction", 0.0) for r in records) > 0.0  # and SD really ran
+  assert max(r.get("drafter_version", 0) for r in records) >= 1
+  drop = TIMING | TLT_ONLY
+  assert _rows(tmp_path / "off", drop) == _rows(tmp_path / "on", drop)
+  _assert_same_adapter(_adapter(tmp_path / "off"), _adapter(tmp_path / "on"))
+
+
 def test_resume_is_bitwise(tmp_path):
   def config(workdir, steps):
     c = _config()
     c.workdir, c.rl.steps = str(workdir), steps
-    c.eval.num_problems, c.checkpoint.every = 8, 2
+    c.eval.num_problems, c.checkpoint.every = 8, 1
+    c.rollout.buckets = (4, 16)
     c.metrics.plots = c.metrics.tensorboard = False
     return c
 
-  train.run(config(tmp_path / "straight", 4))
-  train.run(config(tmp_path / "resumed", 2))
-  summary = train.run(config(tmp_path / "resumed", 4))
-  assert summary["resumed_from"] == 2
+  train.run(config(tmp_path / "straight", 3))
+  train.run(config(tmp_path / "resumed", 1))
+  summary = train.run(config(tmp_path / "resumed", 3))
+  assert summary["resumed_from"] == 1
 
-  def rows(name):
-    return [{k: v for k, v in r.items() if k not in TIMING}
-            for r in metrics.read_jsonl(str(tmp_path / name / "metrics.jsonl"))
-            if "reward_mean" in r]
+  def rows(name):  # same data order, rewards, losses, statistics
+    return [r for r in _rows(tmp_path / name) if "reward_mean" in r]
 
-  assert rows("straight") == rows("resumed")  # same data order, rewards, losses, statistics
-  def adapter(name):
-    return safetensors.numpy.load_file(
-        str(tmp_path / name / "export" / "adapter" / "adapter_model.safetensors"))
-  straight, resumed = adapter("straight"), adapter("resumed")
-  assert straight.keys() == resumed.keys()
-  for k in straight:
-    np.testing.assert_array_equal(straight[k], resumed[k])
+  assert rows("straight") == rows("resumed")
+  _assert_same_adapter(_adapter(tmp_path / "straight"), _adapter(tmp_path / "resumed"))

@@ -39,7 +39,17 @@ def default_config() -> ml_collections.ConfigDict:
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=16, group_size=8, max_prompt_len=32, max_new_tokens=192,
       temperature=1.0, top_k=0, top_p=1.0, chunk_steps=8,
-      buckets=(1, 2, 4, 8, 16, 32, 64, 128), compaction=True, verification="gumbel"))
+      buckets=(1, 2, 4, 8, 16, 32, 64, 128), compaction=True, verification="gumbel",
+      groups=1))  # data-parallel rollout groups (the local devices split evenly)
+  c.tlt = ml_collections.ConfigDict(dict(
+      enabled=False,  # speculative decoding with the tuner and an EAGLE drafter
+      arms="chain2,chain4",  # SD arms the tuner may pick, besides off (chainN, treeD_K_V)
+      drafter_init="",  # a drafter from `python -m tlt_jax.tlt.warmup` ("" = random)
+      spot_training=True,  # train the drafter on idle devices during the tail
+      window_steps=2, drafter_lr=3e-3, rows=8, row_len=256,
+      max_steps_per_rollout=0,  # 0 = as many as the idle time allows
+      min_live_share=0.0,  # also lend a group still decoding below this share of live slots
+      spill_buffer=True))  # keep the drafter's data window on disk with the checkpoints
   c.rl = ml_collections.ConfigDict(dict(
       steps=40, algorithm="grpo", loss="",  # loss "" = the algorithm's own
       # LoRA without regret: LoRA wants ~10x the full fine-tuning LR (lora.rank=0 = full FT).

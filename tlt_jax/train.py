@@ -25,7 +25,7 @@ from tlt_jax import determinism
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "experiments", "configs", "tiny_arith.py")
 # Named purposes for host-side seeds: one run seed, never call order.
-PURPOSE_ROLLOUT, PURPOSE_EVAL = 1, 2
+PURPOSE_ROLLOUT, PURPOSE_EVAL, PURPOSE_WARMUP = 1, 2, 3
 
 
 def derived_seed(seed: int, purpose: int, step: int) -> np.int32:
@@ -73,6 +73,35 @@ def load_rows(c) -> tuple[list[dict], list[dict], dict]:
   return train, held_out, report
 
 
+def load_policy(c):
+  """(model, tokenizer, prompt formatter, eos ids) from the config's HF checkpoint."""
+  from tlt_jax.data.chat import PromptFormatter  # noqa: PLC0415
+  from tlt_jax.model import hf  # noqa: PLC0415
+
+  if not c.model.hf_dir:
+    raise ValueError("the RL job needs model.hf_dir: an HF checkpoint with a tokenizer.json")
+  model = hf.load_model(c.model.hf_dir, dtype=c.model.dtype)
+  tokenizer = hf.load_tokenizer(c.model.hf_dir)
+  formatter = PromptFormatter.from_hf_dir(c.model.hf_dir, tokenizer,
+                                          system_prompt=c.data.system_prompt,
+                                          use_chat_template=c.data.use_chat_template)
+  eos = model.cfg.eos_token_id
+  eos_ids = tuple(eos) if isinstance(eos, (tuple, list)) else ((eos,) if eos is not None else ())
+  return model, tokenizer, formatter, eos_ids
+
+
+def engine_config(c, eos_ids, arms):
+  from tlt_jax.rollout.engine import EngineConfig  # noqa: PLC0415
+  from tlt_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
+
+  r = c.rollout
+  return EngineConfig(
+      buckets=tuple(r.buckets), max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
+      chunk_steps=r.chunk_steps, eos_ids=eos_ids, verification=r.verification,
+      sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
+      compaction=r.compaction, seed=c.seed, arms=arms)
+
+
 def run(c, name: str = "run") -> dict:
   """Runs (or resumes) the job described by config `c`; returns the summary."""
   config_lib.validate(c)
@@ -85,18 +114,22 @@ def run(c, name: str = "run") -> dict:
 
 def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   import jax  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
 
   from tlt_jax import checkpoint as ckpt_lib  # noqa: PLC0415
   from tlt_jax import metrics as metrics_lib  # noqa: PLC0415
-  from tlt_jax.data.chat import PromptFormatter  # noqa: PLC0415
   from tlt_jax.data.pipeline import prompt_dataset  # noqa: PLC0415
   from tlt_jax.evaluate import evaluate  # noqa: PLC0415
-  from tlt_jax.model import hf, lora  # noqa: PLC0415
+  from tlt_jax.model import lora  # noqa: PLC0415
   from tlt_jax.rl import algorithms  # noqa: PLC0415
   from tlt_jax.rl.scoring import RewardScorer, RewardSpec  # noqa: PLC0415
   from tlt_jax.rl.trainer import TrainConfig, Trainer, make_batch  # noqa: PLC0415
-  from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: PLC0415
+  from tlt_jax.model.drafter import Drafter  # noqa: PLC0415
   from tlt_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
+  from tlt_jax.rollout.tuner import OFF, Arm, parse_arms  # noqa: PLC0415
+  from tlt_jax.tlt.buffer import DrafterBuffer  # noqa: PLC0415
+  from tlt_jax.tlt.drafter_trainer import load_drafter  # noqa: PLC0415
+  from tlt_jax.tlt.scheduler import GroupedRollout, SpotConfig, SpotTrainer  # noqa: PLC0415
 
   t_start = time.perf_counter()
   workdir = c.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -107,27 +140,33 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
       lambda *a, **k: metrics_lib.progress(*a, disable=True, **k))
 
   # --- model, tokenizer, prompts
-  if not c.model.hf_dir:
-    raise ValueError("the RL job needs model.hf_dir: an HF checkpoint with a tokenizer.json")
-  model = hf.load_model(c.model.hf_dir, dtype=c.model.dtype)
-  tokenizer = hf.load_tokenizer(c.model.hf_dir)
-  formatter = PromptFormatter.from_hf_dir(c.model.hf_dir, tokenizer,
-                                          system_prompt=c.data.system_prompt,
-                                          use_chat_template=c.data.use_chat_template)
+  model, tokenizer, formatter, eos_ids = load_policy(c)
   if c.lora.rank > 0:
     lora.apply_lora(model, rank=c.lora.rank, alpha=c.lora.alpha, targets=tuple(c.lora.targets),
                     seed=c.seed)
-  eos = model.cfg.eos_token_id
-  eos_ids = tuple(eos) if isinstance(eos, (tuple, list)) else ((eos,) if eos is not None else ())
   train_rows, eval_rows, data_report = load_rows(c)
 
   r = c.rollout
   G, N = r.group_size, r.prompts_per_step * r.group_size
   sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
-  engine = RolloutEngine(model, EngineConfig(
-      buckets=tuple(r.buckets), max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
-      chunk_steps=r.chunk_steps, sampling=sampling, eos_ids=eos_ids,
-      verification=r.verification, compaction=r.compaction, seed=c.seed))
+  t = c.tlt
+  drafter = None
+  if t.enabled:
+    drafter = (load_drafter(t.drafter_init, model.cfg) if t.drafter_init
+               else Drafter(model.cfg, nnx.Rngs(c.seed + 1)))
+  devices = jax.local_devices()
+  if not 1 <= r.groups <= len(devices):
+    raise ValueError(f"rollout.groups={r.groups} needs 1..{len(devices)} local devices")
+  engine = GroupedRollout(
+      model, engine_config(c, eos_ids, parse_arms(t.arms) if t.enabled else (Arm(OFF),)),
+      [list(g) for g in np.array_split(np.array(devices, dtype=object), r.groups)], drafter)
+  buffer = DrafterBuffer(t.window_steps) if t.enabled else None
+  spot = None
+  if t.enabled and t.spot_training:
+    spot = SpotTrainer(drafter, model, buffer, SpotConfig(
+        lr=t.drafter_lr, rows=t.rows, row_len=t.row_len,
+        max_steps_per_rollout=t.max_steps_per_rollout, seed=c.seed))
+  buffer_dir = os.path.join(workdir, "drafter_buffer")
   rl = c.rl
   trainer = Trainer(model, TrainConfig(
       algorithm=rl.algorithm, loss=rl.loss, lr=rl.lr, warmup_steps=rl.warmup_steps,
@@ -144,7 +183,8 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
                                async_save=c.checkpoint.async_save)
 
   t0 = time.perf_counter()
-  engine.pool.warm_up()
+  engine.warm_up()
+  trainer.warm_up(train_len)
   compile_s = time.perf_counter() - t0
 
   def run_eval(step: int) -> dict:
@@ -156,13 +196,28 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   start_step, totals, eval_before = 0, {"rollout_s": 0.0, "train_s": 0.0, "reward_wait_s": 0.0,
                                         "eval_s": 0.0, "kl_sample_train_max": 0.0,
                                         "logp_abs_diff_max": 0.0}, None
+  def run_state() -> dict:
+    state = trainer.state()
+    if spot is not None:
+      state.update(drafter=spot.params, drafter_opt=spot.opt_state)
+    return state
+
   latest = ckpt.latest_step() if c.checkpoint.resume else None
   if latest is not None:
-    state, meta = ckpt.restore(trainer.state(), latest)
+    state, meta = ckpt.restore(run_state(), latest)
     trainer.load_state(state)
     engine.update_policy(trainer.policy())
     data.set_state(meta["data_iterator"])
-    engine.tuner.load_state_dict(meta["tuner"])
+    for e, tuner_state in zip(engine.engines, meta["tuners"]):
+      e.tuner.load_state_dict(tuner_state)
+    if spot is not None:
+      spot.load_state({"params": state["drafter"], "opt_state": state["drafter_opt"]},
+                      steps_done=meta["drafter_steps_done"], version=meta["drafter_version"])
+      engine.update_drafter(spot.publish()[0], spot.version)
+    if buffer is not None and os.path.exists(buffer_dir):
+      buffer = DrafterBuffer.load(buffer_dir)
+      if spot is not None:
+        spot.buffer = buffer
     start_step, totals, eval_before = meta["step"], meta["totals"], meta["eval_before"]
     print(f"[train] resumed from {workdir}/checkpoints step {start_step}", file=sys.stderr)
   else:
@@ -176,8 +231,14 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   if latest is None:
     writer.write(0, {"eval_accuracy": eval_before["accuracy"]})
   def save_meta(step: int) -> dict:
-    return {"step": step, "data_iterator": data.get_state(), "totals": totals,
-            "eval_before": eval_before, "tuner": engine.tuner.state_dict(), "seed": c.seed}
+    meta = {"step": step, "data_iterator": data.get_state(), "totals": totals,
+            "eval_before": eval_before, "tuners": [e.tuner.state_dict() for e in engine.engines],
+            "seed": c.seed}
+    if spot is not None:
+      meta.update(drafter_steps_done=spot.steps_done, drafter_version=spot.version)
+    if buffer is not None and t.spill_buffer:
+      buffer.spill(buffer_dir)
+    return meta
 
   last_trace: list = []
   bar = progress(total=rl.steps, initial=start_step, desc=f"RL {name}", unit="step")
@@ -192,14 +253,26 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
       scorer.submit(sample.sample_id, text, rows[sample.sample_id // G]["answer"])
       inner.update(1)
 
-    trace_from = len(engine.trace)
+    if spot is not None:
+      spot.refresh_data(trainer.policy())  # the window so far, features of the current policy
     t0 = time.perf_counter()
     samples = engine.generate(prompts, group_size=G, seed=derived_seed(c.seed, PURPOSE_ROLLOUT, step),
-                              on_finish=score_when_done)
+                              on_finish=score_when_done, spot=spot,
+                              min_live_share=t.min_live_share)
     rollout_s = time.perf_counter() - t0
     inner.close()
     scores, reward_wait_s = scorer.results()
-    trace = engine.trace[trace_from:]
+    report = engine.last_report
+    tlt_record = {}
+    if buffer is not None:
+      buffer.add(step, samples)
+      tlt_record = {"drafter_version": engine.drafter_version, "buffer_tokens": buffer.num_tokens}
+    if spot is not None:
+      if report.drafter_steps:
+        engine.update_drafter(*spot.publish())  # served from the next rollout on
+      tlt_record.update(drafter_steps=report.drafter_steps, idle_device_s=report.idle_device_s,
+                        drafter_steps_total=spot.steps_done,
+                        **{f"drafter_{k}": v for k, v in report.drafter_metrics.items()})
 
     rewards = np.array([scores[i]["reward"] for i in range(N)], np.float32)
     correct = np.array([scores[i]["correct"] for i in range(N)], np.float32)
@@ -218,7 +291,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
     except FloatingPointError as e:
       # The update was not applied: save the state as it was, so nothing is lost; resuming
       # continues with the next batch.
-      ckpt.save(step, trainer.state(), save_meta(step))
+      ckpt.save(step, run_state(), save_meta(step))
       ckpt.wait()
       raise FloatingPointError(f"RL step {step + 1}: {e}. The state before this step is saved in "
                                f"{workdir}/checkpoints/{step}; rerunning with this workdir "
@@ -227,6 +300,8 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
     train_s = time.perf_counter() - t0
 
     totals["rollout_s"] += rollout_s
+    totals["idle_device_s"] = totals.get("idle_device_s", 0.0) + report.idle_device_s
+    totals["drafter_steps"] = totals.get("drafter_steps", 0) + report.drafter_steps
     totals["train_s"] += train_s
     totals["reward_wait_s"] += reward_wait_s
     totals["kl_sample_train_max"] = max(totals["kl_sample_train_max"],
@@ -239,10 +314,9 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
         "truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
         "rollout_s": rollout_s, "reward_wait_s": reward_wait_s, "train_s": train_s,
         "rollout_tokens_per_s": float(lengths.sum() / rollout_s),
-        "accept_len": float(sum(t.emitted for t in trace) /
-                            max(sum(t.live * t.rounds for t in trace), 1)),
-        **stats}
-    last_trace = trace
+        "accept_len": report.accept_len, "sd_chunk_fraction": report.sd_chunk_fraction,
+        **tlt_record, **stats}
+    last_trace = report.trace
     if c.eval.every and (step + 1) % c.eval.every == 0 and step + 1 < rl.steps:
       t0 = time.perf_counter()
       record["eval_accuracy"] = run_eval(step + 1)["accuracy"]
@@ -253,7 +327,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
     bar.set_postfix(reward=f"{record['reward_mean']:.3f}", len=f"{record['response_len_mean']:.0f}")
     last = step + 1 == rl.steps
     if (c.checkpoint.every and (step + 1) % c.checkpoint.every == 0) or last:
-      ckpt.save(step + 1, trainer.state(), save_meta(step + 1))
+      ckpt.save(step + 1, run_state(), save_meta(step + 1))
   bar.close()
   scorer.close()
 
@@ -275,6 +349,9 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   summary = {
       "config": name, "workdir": workdir, "numerics": c.numerics, "algorithm": rl.algorithm,
       "lora_rank": c.lora.rank, "steps": rl.steps, "resumed_from": start_step or None,
+      "tlt": bool(t.enabled), "spot_training": spot is not None,
+      "accept_len_mean": (float(np.mean([x["accept_len"] for x in steps_run]))
+                          if steps_run else None),
       "eval_problems": len(eval_rows), "eval_samples": c.eval.samples,
       "eval_accuracy_before": eval_before["accuracy"], "eval_accuracy_after": eval_after["accuracy"],
       "eval_before": eval_before, "eval_after": eval_after,

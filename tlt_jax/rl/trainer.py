@@ -269,6 +269,24 @@ class Trainer:
                        "minibatches: lower trainer chunk_rows or minibatches")
     return [chunks[m::cfg.minibatches] for m in range(cfg.minibatches)]
 
+  def warm_up(self, length: int) -> int:
+    """Compiles the step for every chunk shape a batch of rows up to `length` tokens can make
+    (one per length bucket), so no RL step pays a compile; returns how many shapes."""
+    cfg = self.cfg
+    lengths = sorted({min(length, b) for b in range(cfg.length_bucket, length + cfg.length_bucket,
+                                                     cfg.length_bucket)})
+    for L in lengths:
+      R = cfg.chunk_rows
+      dev = tuple(self._device(x) for x in (
+          np.zeros((R, L), np.int32), np.zeros((R, L - 1), bool),
+          np.zeros((R, L - 1), np.float32), np.zeros((R,), np.float32)))
+      extra = (None, None, None)
+      if not self.single_update:
+        extra = self._prepare(self.trainable, self.reference, *dev[:3])[:3]
+      jax.block_until_ready(self._grad(self.trainable, self.reference, np.float32(0.0), *dev,
+                                       *extra))
+    return len(lengths)
+
   def plan(self, batch: Batch) -> list[list[tuple[tuple, np.float32]]]:
     """Per minibatch: its chunks on device with their loss weights (summing the weighted chunk
     losses gives the minibatch's loss as if it were one batch)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 
 import numpy as np
 
@@ -53,6 +54,19 @@ def default_arms(depths=(2, 4, 6)) -> tuple[Arm, ...]:
 
 def tree_arm(depth: int, topk: int, verify: int) -> Arm:
   return Arm(f"tree{depth}_{topk}_{verify}", depth, topk, verify)
+
+
+def parse_arms(spec: str) -> tuple[Arm, ...]:
+  """'chain2,chain4,tree6_4_32' -> (off, chain2, chain4, tree6_4_32): `off` is always an arm."""
+  arms = [Arm(OFF)]
+  for name in (n.strip() for n in spec.split(",") if n.strip()):
+    if re.fullmatch(r"chain\d+", name):
+      arms.append(Arm(name, int(name[5:])))
+    elif re.fullmatch(r"tree\d+_\d+_\d+", name):
+      arms.append(tree_arm(*(int(x) for x in name[4:].split("_"))))
+    elif name != OFF:
+      raise ValueError(f"unknown SD arm {name!r}: use chainN or treeDEPTH_TOPK_VERIFY")
+  return tuple(arms)
 
 
 class Tuner:

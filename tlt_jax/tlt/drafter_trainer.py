@@ -9,6 +9,7 @@ its hidden states) is frozen: gradients flow into the drafter only.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +17,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from tlt_jax.model.drafter import Drafter
-from tlt_jax.model.transformer import Transformer
+from tlt_jax.model.drafter import Drafter, check_fits
+from tlt_jax.model.transformer import ModelConfig, Transformer
+
+DRAFTER_FILE = "drafter.safetensors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,3 +84,42 @@ def train_on_sequences(drafter: Drafter, target: Transformer, sequences: list[li
     idx = rng.choice(len(sequences), size=min(batch_size, len(sequences)), replace=False)
     metrics = train_step(drafter, optimizer, target, tokens[idx], hidden[idx], mask[idx])
   return {k: float(v) for k, v in metrics.items()}
+
+
+def _flat(drafter: Drafter) -> dict[str, np.ndarray]:
+  flat = nnx.to_flat_state(nnx.state(drafter, nnx.Param))
+  return {"/".join(str(k) for k in path): np.asarray(v.get_value()) for path, v in flat}
+
+
+def save_drafter(drafter: Drafter, out_dir: str) -> str:
+  """The drafter's weights as one safetensors file (names are NNX paths: 'layer/mlp/...')."""
+  import safetensors.numpy  # noqa: PLC0415
+
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, DRAFTER_FILE)
+  safetensors.numpy.save_file(_flat(drafter), path)
+  return path
+
+
+def load_drafter(path: str, target_cfg: ModelConfig) -> Drafter:
+  """A drafter for `target_cfg` with the weights in `path` (a file or its directory); a drafter
+  saved for another target fails with the names and shapes that differ."""
+  import safetensors.numpy  # noqa: PLC0415
+
+  if os.path.isdir(path):
+    path = os.path.join(path, DRAFTER_FILE)
+  tensors = safetensors.numpy.load_file(path)
+  drafter = Drafter(target_cfg, nnx.Rngs(0))
+  want = _flat(drafter)
+  problems = [f"missing {k}" for k in want if k not in tensors]
+  problems += [f"unexpected {k}" for k in tensors if k not in want]
+  problems += [f"{k}: file {tensors[k].shape} vs drafter {v.shape}" for k, v in want.items()
+               if k in tensors and tensors[k].shape != v.shape]
+  if problems:
+    raise ValueError(f"{path} does not fit this target's drafter: " + "; ".join(problems[:6]))
+  state = nnx.state(drafter, nnx.Param)
+  for p, var in nnx.to_flat_state(state):
+    var.set_value(jnp.asarray(tensors["/".join(str(k) for k in p)], var.get_value().dtype))
+  nnx.update(drafter, state)
+  check_fits(drafter, target_cfg)
+  return drafter

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, Sample
+from tlt_jax.rollout.tuner import OFF
 from tlt_jax.tlt.buffer import DrafterBuffer, PackedBatch, eagle_loss_packed
 from tlt_jax.tlt.drafter_trainer import DrafterLossConfig
 
@@ -157,6 +158,8 @@ class RolloutReport:
   live_devices_at_step: list[frozenset] = dataclasses.field(default_factory=list)
   drafter_metrics: dict = dataclasses.field(default_factory=dict)
   accept_len: float = 1.0
+  sd_chunk_fraction: float = 0.0  # decode chunks the tuner ran speculatively
+  trace: list = dataclasses.field(default_factory=list)  # the first group's decode chunks
 
 
 class GroupedRollout:
@@ -172,6 +175,7 @@ class GroupedRollout:
     self.engines = [RolloutEngine(target, cfg, drafter, detokenize=detokenize,
                                   placement=group_sharding(g)) for g in self.device_groups]
     self.drafter_version = 0
+    self.last_report: RolloutReport | None = None
 
   def warm_up(self) -> int:
     return sum(e.pool.warm_up() for e in self.engines)
@@ -187,7 +191,12 @@ class GroupedRollout:
 
   def generate(self, prompts: list[list[int]], *, group_size: int = 1, seed: int | None = None,
                on_finish: Callable[[Sample], None] | None = None,
-               spot: SpotTrainer | None = None, **kw) -> tuple[list[Sample], RolloutReport]:
+               spot: SpotTrainer | None = None, min_live_share: float = 0.0,
+               **kw) -> list[Sample]:
+    """Decodes the batch across the groups (see the module docstring); the report of the
+    rollout is `self.last_report`. With `spot`, drafter steps run on the devices of finished
+    groups, or also of groups whose live sequences fell under `min_live_share` of their share
+    (single-group machines: the tail's spare compute)."""
     G = len(self.engines)
     shares = np.array_split(np.arange(len(prompts)), G)
     budgets = kw.pop("max_new_per_sample", None)  # per sample of the batch: cut per group
@@ -207,17 +216,20 @@ class GroupedRollout:
     lent = None
     start = time.perf_counter()
     max_steps = spot.cfg.max_steps_per_rollout if spot is not None else 0
+    share = {g: len(idx) * group_size for g, idx in enumerate(shares)}
+    live_share = {g: 1.0 for g in runs}
     while runs:
       for g in list(runs):
         try:
-          next(runs[g])
+          _, live = next(runs[g])
+          live_share[g] = live / share[g]
         except StopIteration as done:
           results += done.value
           finish_s[g] = time.perf_counter() - start
           del runs[g]
       if spot is not None and spot.has_data and runs and (not max_steps or
                                                            report.drafter_steps < max_steps):
-        idle = [g for g in range(G) if g not in runs]
+        idle = [g for g in range(G) if g not in runs or live_share[g] < min_live_share]
         if idle:
           if lent is None:  # the first group to finish hosts the drafter until the barrier
             lent = idle[0]
@@ -235,4 +247,7 @@ class GroupedRollout:
     chunks = [t for e, i in zip(self.engines, trace_from) for t in e.trace[i:]]
     report.accept_len = (sum(t.emitted for t in chunks) /
                          max(sum(t.live * t.rounds for t in chunks), 1))
-    return sorted(results, key=lambda s: s.sample_id), report
+    report.sd_chunk_fraction = sum(t.arm != OFF for t in chunks) / max(len(chunks), 1)
+    report.trace = [t for t in self.engines[0].trace[trace_from[0]:]]
+    self.last_report = report
+    return sorted(results, key=lambda s: s.sample_id)

@@ -1,0 +1,109 @@
+"""Offline drafter warm-up before RL: train the EAGLE drafter on the policy's own rollouts.
+
+    python -m tlt_jax.tlt.warmup --config experiments/configs/tiny_arith.py \\
+        [--rollouts 4] [--steps 300] [--buffer DIR] [--out DIR]
+
+Decodes `--rollouts` batches of training prompts with the config's policy (plain decoding; its
+hidden states are kept), or loads a spilled buffer (`--buffer`, e.g. a run's drafter_buffer/),
+trains the drafter for `--steps` packed steps and writes `<out>/drafter.safetensors` (+ the
+buffer it trained on and warmup.json). Start RL from it with `--config.tlt.drafter_init=<out>`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from tlt_jax import determinism
+from tlt_jax import train as train_lib
+
+
+def warmup(c, *, rollouts: int, steps: int, out: str, buffer_dir: str = "") -> dict:
+  determinism.configure(c.numerics, c.xla_determinism)
+  from tlt_jax import ops  # noqa: PLC0415
+
+  with ops.numerics_mode(c.numerics, c.numerics_backend):
+    return _warmup(c, rollouts, steps, out, buffer_dir)
+
+
+def _warmup(c, rollouts: int, steps: int, out: str, buffer_dir: str) -> dict:
+  import jax  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  from tlt_jax import metrics  # noqa: PLC0415
+  from tlt_jax.data.pipeline import prompt_dataset  # noqa: PLC0415
+  from tlt_jax.model.drafter import Drafter  # noqa: PLC0415
+  from tlt_jax.rollout.tuner import OFF, Arm  # noqa: PLC0415
+  from tlt_jax.tlt.buffer import DrafterBuffer  # noqa: PLC0415
+  from tlt_jax.tlt.drafter_trainer import save_drafter  # noqa: PLC0415
+  from tlt_jax.tlt.scheduler import GroupedRollout, SpotConfig, SpotTrainer  # noqa: PLC0415
+
+  start = time.perf_counter()
+  model, _, formatter, eos_ids = train_lib.load_policy(c)
+  device = jax.local_devices()[:1]
+  if buffer_dir:
+    buffer = DrafterBuffer.load(buffer_dir)
+  else:
+    buffer = DrafterBuffer(window_steps=rollouts)
+    train_rows, _, _ = train_lib.load_rows(c)
+    data = iter(prompt_dataset(train_rows, batch_size=c.rollout.prompts_per_step, seed=c.seed))
+    engine = GroupedRollout(model, train_lib.engine_config(c, eos_ids, (Arm(OFF),)), [device])
+    bar = metrics.progress(total=rollouts, desc="warm-up rollouts", unit="batch")
+    for i in range(rollouts):
+      prompts = [formatter.encode(row["prompt"]) for row in next(data)]
+      buffer.add(i, engine.generate(prompts, group_size=c.rollout.group_size,
+                                    seed=train_lib.derived_seed(c.seed, train_lib.PURPOSE_WARMUP,
+                                                                i)))
+      bar.update(1)
+    bar.close()
+    buffer.spill(os.path.join(out, "buffer"))
+  t = c.tlt
+  spot = SpotTrainer(Drafter(model.cfg, nnx.Rngs(c.seed + 1)), model, buffer,
+                     SpotConfig(lr=t.drafter_lr, rows=t.rows, row_len=t.row_len, seed=c.seed))
+  batches = spot.refresh_data()
+  spot.lend(device)
+  curve = []
+  bar = metrics.progress(total=steps, desc="drafter warm-up", unit="step")
+  for i in range(steps):
+    spot.step()
+    bar.update(1)
+    if i % 50 == 0 or i == steps - 1:
+      curve.append({"step": i + 1, **spot.wait()})
+  bar.close()
+  drafter, _ = spot.publish()
+  path = save_drafter(drafter, out)
+  report = {"drafter": path, "rollouts": rollouts if not buffer_dir else None,
+            "buffer": buffer_dir or os.path.join(out, "buffer"), "examples": len(buffer),
+            "tokens": buffer.num_tokens, "packed_batches": batches, "steps": steps,
+            "final": curve[-1] if curve else {}, "curve": curve,
+            "seconds": time.perf_counter() - start}
+  with open(os.path.join(out, "warmup.json"), "w") as f:
+    json.dump(report, f, indent=2)
+  return report
+
+
+def main(argv) -> None:
+  del argv
+  from absl import flags  # noqa: PLC0415
+
+  f = flags.FLAGS
+  out = f.out or os.path.join("runs", "drafter-warmup")
+  report = warmup(f.config, rollouts=f.rollouts, steps=f.steps, out=out, buffer_dir=f.buffer)
+  print(json.dumps({k: v for k, v in report.items() if k != "curve"}, indent=2,
+                   default=lambda x: float(np.asarray(x))))
+
+
+if __name__ == "__main__":
+  from absl import app, flags  # noqa: PLC0415
+  from ml_collections import config_flags  # noqa: PLC0415
+
+  config_flags.DEFINE_config_file("config", train_lib.DEFAULT_CONFIG,
+                                  "experiment config file[:variant]", lock_config=True)
+  flags.DEFINE_integer("rollouts", 4, "rollout batches of training prompts to learn from")
+  flags.DEFINE_integer("steps", 300, "drafter steps")
+  flags.DEFINE_string("buffer", "", "train on a spilled buffer instead of new rollouts")
+  flags.DEFINE_string("out", "", "output directory (default runs/drafter-warmup)")
+  app.run(main)
