@@ -139,3 +139,19 @@ def test_bad_config_is_named():
   with pytest.raises(ValueError, match="sequence 0: prompt 3 \\+ response 20 tokens exceed"):
     make_batch([[1, 2, 3]], [np.zeros(20, np.int32)], [np.zeros(20, np.float32)],
                np.zeros(1, np.float32), L)
+
+
+def test_sharded_step_matches_the_single_device_step():
+  from tlt_jax import mesh as mesh_lib
+
+  batch, *_ = _batch(_model())
+  single = Trainer(_model(), TrainConfig(chunk_rows=8, sampling=SAMPLING))
+  sharded = Trainer(_model(), TrainConfig(chunk_rows=8, sampling=SAMPLING),
+                    mesh=mesh_lib.make_mesh(data=8))
+  plan = sharded.plan(batch)
+  tokens = plan[0][0][0][0]
+  assert len(tokens.sharding.device_set) == 8  # rows split over the data axis
+  expected, _ = single.gradients(single.plan(batch)[0])
+  grads, _ = sharded.gradients(plan[0])
+  for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=2e-5, atol=1e-7)

@@ -61,8 +61,10 @@ def default_config() -> ml_collections.ConfigDict:
       correct_weight=1.0, format_weight=0.0,
       reward_workers=2, reward_worker_kind="thread"))
   c.eval = ml_collections.ConfigDict(dict(every=0, num_problems=256, samples=1, seed=1))
-  c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=3, async_save=True, resume=True,
-                                                export_adapter=True))
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      every=10, keep=3, async_save=True, resume=True,
+      export_adapter=True,  # <workdir>/export/adapter: the PEFT adapter
+      export_merged=False))  # <workdir>/export/merged: HF safetensors with LoRA merged in
   c.metrics = ml_collections.ConfigDict(dict(tensorboard=True, plots=True, progress=True))
   c.lock()
   return c

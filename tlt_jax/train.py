@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -196,6 +197,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   start_step, totals, eval_before = 0, {"rollout_s": 0.0, "train_s": 0.0, "reward_wait_s": 0.0,
                                         "eval_s": 0.0, "kl_sample_train_max": 0.0,
                                         "logp_abs_diff_max": 0.0}, None
+
   def run_state() -> dict:
     state = trainer.state()
     if spot is not None:
@@ -213,7 +215,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
     if spot is not None:
       spot.load_state({"params": state["drafter"], "opt_state": state["drafter_opt"]},
                       steps_done=meta["drafter_steps_done"], version=meta["drafter_version"])
-      engine.update_drafter(spot.publish()[0], spot.version)
+      engine.update_drafter(*spot.publish(new_version=False))
     if buffer is not None and os.path.exists(buffer_dir):
       buffer = DrafterBuffer.load(buffer_dir)
       if spot is not None:
@@ -230,6 +232,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
                         workers=rl.reward_workers, kind=rl.reward_worker_kind)
   if latest is None:
     writer.write(0, {"eval_accuracy": eval_before["accuracy"]})
+
   def save_meta(step: int) -> dict:
     meta = {"step": step, "data_iterator": data.get_state(), "totals": totals,
             "eval_before": eval_before, "tuners": [e.tuner.state_dict() for e in engine.engines],
@@ -266,11 +269,13 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
     tlt_record = {}
     if buffer is not None:
       buffer.add(step, samples)
+      # drafter_version: the weights this rollout drafted with (drafter_published: after it).
       tlt_record = {"drafter_version": engine.drafter_version, "buffer_tokens": buffer.num_tokens}
     if spot is not None:
       if report.drafter_steps:
         engine.update_drafter(*spot.publish())  # served from the next rollout on
-      tlt_record.update(drafter_steps=report.drafter_steps, idle_device_s=report.idle_device_s,
+      tlt_record.update(drafter_published=spot.version, drafter_steps=report.drafter_steps,
+                        idle_device_s=report.idle_device_s,
                         drafter_steps_total=spot.steps_done,
                         **{f"drafter_{k}": v for k, v in report.drafter_metrics.items()})
 
@@ -341,6 +346,12 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   if c.checkpoint.export_adapter and c.lora.rank > 0:
     ckpt_lib.export_adapter(trainer.policy(), os.path.join(workdir, "export", "adapter"),
                             base_model_name_or_path=os.path.abspath(c.model.hf_dir))
+  if c.checkpoint.export_merged:
+    merged = os.path.join(workdir, "export", "merged")
+    ckpt_lib.export_merged_hf(trainer.policy(), merged)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+      if os.path.exists(os.path.join(c.model.hf_dir, name)):  # a complete HF checkpoint
+        shutil.copy(os.path.join(c.model.hf_dir, name), merged)
   records = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   plots = []
   if c.metrics.plots:

@@ -36,6 +36,7 @@ def get_config(arg: str | None = None):
   c.rl.minibatches = 1
   c.eval.num_problems = 256
   c.checkpoint.every = 10
+  c.checkpoint.export_merged = True
   if arg == "smoke":
     # Short answers only (1-2 digits), small batches: the whole job, compile included, in CI.
     c.data.synthetic_mix = "1:0.5,2:0.5"

@@ -131,9 +131,10 @@ class SpotTrainer:
       return {}
     return {k: float(v) for k, v in jax.device_get(self.last_metrics).items()}
 
-  def publish(self) -> tuple[Drafter, int]:
-    """The current weights as a Drafter and their version number."""
-    self.version += 1
+  def publish(self, *, new_version: bool = True) -> tuple[Drafter, int]:
+    """The current weights as a Drafter (a copy: later steps update the trainer's own arrays in
+    place) and their version number, a new one unless re-serving after a resume."""
+    self.version += int(new_version)
     return nnx.merge(self.graphdef, jax.tree.map(jnp.copy, self.params)), self.version
 
   def state(self) -> dict:
