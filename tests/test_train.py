@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -123,3 +124,11 @@ def test_resume_is_bitwise(tmp_path):
 
   assert rows("straight") == rows("resumed")
   _assert_same_adapter(_adapter(tmp_path / "straight"), _adapter(tmp_path / "resumed"))
+  import orbax.checkpoint as ocp
+
+  for item in ("params", "opt_state"):  # the final checkpoints, leaf by leaf
+    a, b = (ocp.StandardCheckpointer().restore(str(tmp_path / name / "checkpoints" / "3" / item))
+            for name in ("straight", "resumed"))
+    assert len(jax.tree.leaves(a)) == len(jax.tree.leaves(b)) > 0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -30,6 +30,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from tlt_jax import ops
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, Sample
@@ -120,8 +121,12 @@ class SpotTrainer:
     host = self._batches[self.steps_done % len(self._batches)]
     split = self.cfg.rows % len(self.devices) == 0
     batch = jax.device_put(host, group_sharding(self.devices, batch=split))
-    self.params, self.opt_state, self.last_metrics = self._step(
-        self.params, self.opt_state, self.target_params, batch)
+    # The drafter's training numerics never reach the policy's tokens (gumbel verification
+    # emits the target's own samples), so it trains on XLA's fast kernels whatever the run's
+    # numerics; the engines still draft with it under theirs.
+    with ops.numerics_mode("xla"):
+      self.params, self.opt_state, self.last_metrics = self._step(
+          self.params, self.opt_state, self.target_params, batch)
     self.step_devices.append(frozenset(jax.tree.leaves(self.params)[0].sharding.device_set))
     self.steps_done += 1
 
