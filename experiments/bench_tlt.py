@@ -21,7 +21,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=2").strip()
 
 import argparse  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import tempfile  # noqa: E402
@@ -29,6 +28,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from tlt_jax import config as config_lib  # noqa: E402
 from tlt_jax import metrics, train  # noqa: E402
 from tlt_jax.tlt.warmup import warmup  # noqa: E402
 
@@ -38,10 +38,7 @@ MIX = "2:0.25,4:0.25,8:0.25,16:0.25"
 
 
 def base_config(steps: int, workdir: str):
-  spec = importlib.util.spec_from_file_location("tiny_arith", CONFIG)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config()
+  c = config_lib.load_config_file(CONFIG)
   c.workdir, c.rl.steps = workdir, steps
   c.data.synthetic_mix = MIX
   c.rollout.prompts_per_step, c.rollout.group_size = 8, 4

@@ -1,7 +1,6 @@
 """The RL job end to end on the smoke config: reward improves, sampler == trainer log-probs,
 every output is written; resume is bitwise (N steps == k steps, stop, resume, N - k steps)."""
 
-import importlib.util
 import json
 import os
 
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from tlt_jax import config as config_lib
 from tlt_jax import metrics, train
 
 CONFIG = os.path.join(train.REPO_ROOT, "experiments", "configs", "tiny_arith.py")
@@ -18,10 +18,7 @@ TLT_ONLY = {"accept_len", "sd_chunk_fraction", "buffer_tokens", "idle_device_s"}
 
 
 def _config(variant="smoke"):
-  spec = importlib.util.spec_from_file_location("tiny_arith", CONFIG)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(variant)
+  return config_lib.load_config_file(CONFIG, variant)
 
 
 @pytest.fixture(scope="module")

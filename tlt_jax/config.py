@@ -124,6 +124,18 @@ def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
 __all__ = ["default_config", "validate", "model_config", "RopeScaling"]
 
 
+def load_config_file(path: str, variant: str | None = None) -> ml_collections.ConfigDict:
+  """`get_config(variant)` of an experiment config file, as `--config path[:variant]` loads it."""
+  import importlib.util  # noqa: PLC0415
+
+  spec = importlib.util.spec_from_file_location("tlt_experiment_config", path)
+  if spec is None:
+    raise FileNotFoundError(f"no experiment config at {path}")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant)
+
+
 def apply_numerics(c: ml_collections.ConfigDict) -> None:
   """Sets XLA flags (before JAX starts its backends) and the ops switch from the config."""
   from tlt_jax import determinism, ops  # noqa: PLC0415
