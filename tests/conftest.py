@@ -57,3 +57,18 @@ def hf_checkpoint(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def rng():
   return np.random.RandomState(0)
+
+
+TINY_ARITH_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                 "experiments", "configs", "tiny_arith.py")
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+  """(workdir, summary) of one RL job on tiny_arith:smoke, shared by the train / evaluate tests."""
+  from tlt_jax import config as config_lib
+  from tlt_jax import train
+
+  c = config_lib.load_config_file(TINY_ARITH_CONFIG, "smoke")
+  c.workdir = str(tmp_path_factory.mktemp("smoke"))
+  return c.workdir, train.run(c, "tiny_arith-smoke")

@@ -21,15 +21,8 @@ def _config(variant="smoke"):
   return config_lib.load_config_file(CONFIG, variant)
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-  c = _config()
-  c.workdir = str(tmp_path_factory.mktemp("smoke"))
-  return c.workdir, train.run(c, "tiny_arith-smoke")
-
-
-def test_smoke_run_improves_and_is_on_policy(smoke):
-  workdir, summary = smoke
+def test_smoke_run_improves_and_is_on_policy(smoke_run):
+  workdir, summary = smoke_run
   assert summary["steps"] == 6 and summary["eval_problems"] == 64
   records = [r for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
              if "reward_mean" in r]
@@ -40,8 +33,8 @@ def test_smoke_run_improves_and_is_on_policy(smoke):
   assert summary["kl_sample_train_max"] == 0.0 and summary["logp_abs_diff_max"] == 0.0
 
 
-def test_smoke_run_writes_its_outputs(smoke):
-  workdir, summary = smoke
+def test_smoke_run_writes_its_outputs(smoke_run):
+  workdir, summary = smoke_run
   with open(os.path.join(workdir, "summary.json")) as f:
     assert json.load(f)["eval_accuracy_after"] == summary["eval_accuracy_after"]
   for key in ("eval_accuracy_before", "eval_accuracy_after", "steps", "wall_s", "rollout_s",

@@ -44,6 +44,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.tlt = ml_collections.ConfigDict(dict(
       enabled=False,  # speculative decoding with the tuner and an EAGLE drafter
       arms="chain2,chain4",  # SD arms the tuner may pick, besides off (chainN, treeD_K_V)
+      fixed_arm="",  # "" = the tuner chooses per bucket; "chain4" = always that arm (tuner off)
       drafter_init="",  # a drafter from `python -m tlt_jax.tlt.warmup` ("" = random)
       spot_training=True,  # train the drafter on idle devices during the tail
       window_steps=2, drafter_lr=3e-3, rows=8, row_len=256,
@@ -66,6 +67,17 @@ def default_config() -> ml_collections.ConfigDict:
       export_adapter=True,  # <workdir>/export/adapter: the PEFT adapter
       export_merged=False))  # <workdir>/export/merged: HF safetensors with LoRA merged in
   c.metrics = ml_collections.ConfigDict(dict(tensorboard=True, plots=True, progress=True))
+  # --- `python -m tlt_jax.plan`: per-device memory of the run on its mesh, before renting one
+  c.plan = ml_collections.ConfigDict(dict(
+      device_count=0,  # devices the mesh spans (all hosts); 0 = the local devices
+      device_memory_gib=0.0,  # per device (H100 80, H200 141, v5p 95); 0 = no fit check
+      headroom=0.9,  # usable share of device_memory_gib (XLA, the runtime and fragmentation take the rest)
+      lower_layers=2))  # decoder layers in the lowered programs (layers are identical); 0 = all
+  # --- multi-host: jax.distributed.initialize (tlt_jax/distributed.py); 1 process = off
+  c.distributed = ml_collections.ConfigDict(dict(
+      coordinator_address="",  # "host:port" of process 0 ("" = detected: Cloud TPU, SLURM, MPI)
+      num_processes=1, process_id=-1,  # -1 = detected from the environment
+      local_device_ids=""))  # "0,1,2,3" = this process's devices ("" = all it sees)
   c.lock()
   return c
 
@@ -96,12 +108,21 @@ def validate(c: ml_collections.ConfigDict) -> None:
                     f" sequences do not split into rl.minibatches={c.rl.minibatches}")
   if c.data.source not in ("synthetic", "files"):
     problems.append(f"data.source={c.data.source!r} must be 'synthetic' or 'files'")
-  elif c.data.source == "files" and not (c.data.train_path and c.data.eval_path):
-    problems.append("data.source='files' needs data.train_path and data.eval_path")
+  elif c.data.source == "files" and not c.data.eval_path:
+    problems.append("data.source='files' needs data.eval_path (and data.train_path to train)")
   if c.data.on_error not in ("raise", "skip"):
     problems.append(f"data.on_error={c.data.on_error!r} must be 'raise' or 'skip'")
   if sum(v == -1 for v in (c.mesh.data, c.mesh.fsdp, c.mesh.model)) > 1:
     problems.append("at most one of mesh.data / mesh.fsdp / mesh.model may be -1")
+  p = c.plan
+  if p.device_count < 0 or p.device_memory_gib < 0 or p.lower_layers < 0:
+    problems.append("plan.device_count, plan.device_memory_gib and plan.lower_layers must be >= 0")
+  if not 0 < p.headroom <= 1:
+    problems.append(f"plan.headroom={p.headroom} must be in (0, 1]")
+  d = c.distributed
+  if d.num_processes < 1 or not -1 <= d.process_id < max(d.num_processes, 1):
+    problems.append(f"distributed.process_id={d.process_id} must be -1 (detected) or in "
+                    f"[0, distributed.num_processes={d.num_processes})")
   if problems:
     raise ValueError("invalid config: " + "; ".join(problems))
 

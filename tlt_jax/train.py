@@ -52,26 +52,52 @@ def load_rows(c) -> tuple[list[dict], list[dict], dict]:
                                         mix, ops)
     report = {"skipped_rows": 0}
   else:
-    train_report = sources.read_rows(d.train_path, prompt_field=d.prompt_field,
-                                     answer_field=d.answer_field, on_error=d.on_error)
-    eval_report = sources.read_rows(d.eval_path, prompt_field=d.prompt_field,
-                                    answer_field=d.answer_field, on_error=d.on_error)
-    train, candidates = train_report.rows, eval_report.rows
-    report = {"skipped_rows": len(train_report.skipped) + len(eval_report.skipped),
-              "skipped_examples": (train_report.skipped + eval_report.skipped)[:5]}
+    def read(path):
+      return sources.read_rows(path, prompt_field=d.prompt_field, answer_field=d.answer_field,
+                               on_error=d.on_error)
+
+    train_report = read(d.train_path) if d.train_path else sources.ReadReport([], [])
+    train, skipped = train_report.rows, list(train_report.skipped)
+    # Several eval files (comma-separated) are reported per dataset: rows carry its name.
+    candidates_by_dataset = {}
+    for path in eval_paths(d.eval_path):
+      eval_report = read(path)
+      skipped += eval_report.skipped
+      candidates_by_dataset[dataset_name(path)] = [
+          dict(r, dataset=dataset_name(path)) for r in eval_report.rows]
+    report = {"skipped_rows": len(skipped), "skipped_examples": skipped[:5]}
   seen = {r["prompt"] for r in train}
-  held_out, picked = [], set()
-  for r in candidates:
-    if r["prompt"] not in seen and r["prompt"] not in picked:
-      held_out.append(r)
-      picked.add(r["prompt"])
-    if len(held_out) == c.eval.num_problems:
-      break
-  if len(held_out) < c.eval.num_problems:
-    print(f"[train] only {len(held_out)} held-out eval problems (asked for "
-          f"{c.eval.num_problems}): the rest also appear in the training rows", file=sys.stderr)
+  held_out = []
+  groups = (candidates_by_dataset.values() if d.source == "files" else [candidates])
+  for rows in groups:  # num_problems per eval dataset
+    picked, prompts = [], set()
+    for r in rows:
+      if r["prompt"] not in seen and r["prompt"] not in prompts:
+        picked.append(r)
+        prompts.add(r["prompt"])
+      if len(picked) == c.eval.num_problems:
+        break
+    if len(picked) < c.eval.num_problems:
+      print(f"[train] only {len(picked)} held-out eval problems in {picked[0].get('dataset', '')}"
+            f" (asked for {c.eval.num_problems}): the rest also appear in the training rows"
+            if picked else "[train] no held-out eval problems", file=sys.stderr)
+    held_out += picked
   report["eval_problems"] = len(held_out)
   return train, held_out, report
+
+
+def eval_paths(spec: str) -> list[str]:
+  return [p.strip() for p in spec.split(",") if p.strip()]
+
+
+def dataset_name(path: str) -> str:
+  """gsm8k_test.jsonl -> gsm8k_test: the name a dataset's eval results are reported under."""
+  return os.path.splitext(os.path.basename(path))[0]
+
+
+def eval_group_key(c) -> str:
+  """Eval results are split by difficulty (synthetic) or by dataset (files)."""
+  return "digits" if c.data.source == "synthetic" else "dataset"
 
 
 def load_policy(c):
@@ -103,9 +129,29 @@ def engine_config(c, eos_ids, arms):
       compaction=r.compaction, seed=c.seed, arms=arms)
 
 
+def build_rollout(c, model, eos_ids, drafter=None):
+  """The rollout engines of the config: `rollout.groups` data-parallel groups over the local
+  devices, with the tuner's SD arms when TLT is on (plain decode otherwise)."""
+  import jax  # noqa: PLC0415
+
+  from tlt_jax.rollout.tuner import OFF, Arm, parse_arms  # noqa: PLC0415
+  from tlt_jax.tlt.scheduler import GroupedRollout  # noqa: PLC0415
+
+  devices = jax.local_devices()
+  if not 1 <= c.rollout.groups <= len(devices):
+    raise ValueError(f"rollout.groups={c.rollout.groups} needs 1..{len(devices)} local devices")
+  arms = parse_arms(c.tlt.arms) if drafter is not None else (Arm(OFF),)
+  if drafter is not None and c.tlt.fixed_arm and c.tlt.fixed_arm not in {a.name for a in arms}:
+    raise ValueError(f"tlt.fixed_arm={c.tlt.fixed_arm!r} is not one of tlt.arms={c.tlt.arms!r}")
+  groups = [list(g) for g in np.array_split(np.array(devices, dtype=object), c.rollout.groups)]
+  return GroupedRollout(model, engine_config(c, eos_ids, arms), groups, drafter)
+
+
 def run(c, name: str = "run") -> dict:
   """Runs (or resumes) the job described by config `c`; returns the summary."""
   config_lib.validate(c)
+  if c.data.source == "files" and not c.data.train_path:
+    raise ValueError("data.source='files' needs data.train_path for the RL job")
   determinism.configure(c.numerics, c.xla_determinism)  # before JAX creates its backends
   from tlt_jax import ops  # noqa: PLC0415
 
@@ -127,10 +173,9 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   from tlt_jax.rl.trainer import TrainConfig, Trainer, make_batch  # noqa: PLC0415
   from tlt_jax.model.drafter import Drafter  # noqa: PLC0415
   from tlt_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
-  from tlt_jax.rollout.tuner import OFF, Arm, parse_arms  # noqa: PLC0415
   from tlt_jax.tlt.buffer import DrafterBuffer  # noqa: PLC0415
   from tlt_jax.tlt.drafter_trainer import load_drafter  # noqa: PLC0415
-  from tlt_jax.tlt.scheduler import GroupedRollout, SpotConfig, SpotTrainer  # noqa: PLC0415
+  from tlt_jax.tlt.scheduler import SpotConfig, SpotTrainer  # noqa: PLC0415
 
   t_start = time.perf_counter()
   workdir = c.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -155,12 +200,9 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   if t.enabled:
     drafter = (load_drafter(t.drafter_init, model.cfg) if t.drafter_init
                else Drafter(model.cfg, nnx.Rngs(c.seed + 1)))
-  devices = jax.local_devices()
-  if not 1 <= r.groups <= len(devices):
-    raise ValueError(f"rollout.groups={r.groups} needs 1..{len(devices)} local devices")
-  engine = GroupedRollout(
-      model, engine_config(c, eos_ids, parse_arms(t.arms) if t.enabled else (Arm(OFF),)),
-      [list(g) for g in np.array_split(np.array(devices, dtype=object), r.groups)], drafter)
+  engine = build_rollout(c, model, eos_ids, drafter)
+  # tlt.fixed_arm: the tuner is off, every chunk decodes with that arm.
+  forced_arm = {"arm": t.fixed_arm} if t.enabled and t.fixed_arm else {}
   buffer = DrafterBuffer(t.window_steps) if t.enabled else None
   spot = None
   if t.enabled and t.spot_training:
@@ -190,8 +232,8 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
 
   def run_eval(step: int) -> dict:
     return evaluate(engine, formatter, tokenizer, eval_rows, samples=c.eval.samples,
-                    seed=derived_seed(c.seed, PURPOSE_EVAL, 0), difficulty_key="digits"
-                    if c.data.source == "synthetic" else None)
+                    seed=derived_seed(c.seed, PURPOSE_EVAL, 0), difficulty_key=eval_group_key(c),
+                    progress=c.metrics.progress, desc=f"eval @ step {step}")
 
   # --- resume or start
   start_step, totals, eval_before = 0, {"rollout_s": 0.0, "train_s": 0.0, "reward_wait_s": 0.0,
@@ -261,7 +303,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
     t0 = time.perf_counter()
     samples = engine.generate(prompts, group_size=G, seed=derived_seed(c.seed, PURPOSE_ROLLOUT, step),
                               on_finish=score_when_done, spot=spot,
-                              min_live_share=t.min_live_share)
+                              min_live_share=t.min_live_share, **forced_arm)
     rollout_s = time.perf_counter() - t0
     inner.close()
     scores, reward_wait_s = scorer.results()

@@ -3,6 +3,7 @@ model, batch-invariant numerics (sampler == trainer log-probs), about 10 minutes
 
   python -m tlt_jax.train                                                  # this config
   python -m tlt_jax.train --config experiments/configs/tiny_arith.py:smoke  # CI, < 2 minutes
+  python -m tlt_jax.train --config experiments/configs/tiny_arith.py:ablation  # sweeps, ~4 min
   python -m tlt_jax.train --config experiments/configs/tiny_arith.py --config.rl.lr=1e-3
 
 The model (experiments/assets/tiny_arith, made by `python -m experiments.pretrain_tiny`) learned
@@ -48,6 +49,15 @@ def get_config(arg: str | None = None):
     c.eval.num_problems = 64
     c.checkpoint.every = 3
     c.metrics.progress = False
+  elif arg == "ablation":
+    # The ablation sweeps (experiments/results/ablations/): the default job at half the steps
+    # and half the eval problems, so a 4-point sweep takes about a quarter of an hour.
+    c.rl.steps = 16
+    c.eval.num_problems = 128
+    c.eval.every = 8
+    c.checkpoint.every = 0
+    c.checkpoint.export_adapter = c.checkpoint.export_merged = False
+    c.metrics.progress = False
   elif arg:
-    raise ValueError(f"unknown variant {arg!r} of tiny_arith (known: smoke)")
+    raise ValueError(f"unknown variant {arg!r} of tiny_arith (known: smoke, ablation)")
   return c
