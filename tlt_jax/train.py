@@ -153,7 +153,9 @@ def run(c, name: str = "run") -> dict:
   if c.data.source == "files" and not c.data.train_path:
     raise ValueError("data.source='files' needs data.train_path for the RL job")
   determinism.configure(c.numerics, c.xla_determinism)  # before JAX creates its backends
-  from tlt_jax import ops  # noqa: PLC0415
+  from tlt_jax import distributed, ops  # noqa: PLC0415
+
+  distributed.initialize_from_config(c)  # multi-host: before the first JAX computation
 
   with ops.numerics_mode(c.numerics, c.numerics_backend):
     return _run(c, name)
