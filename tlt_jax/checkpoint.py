@@ -63,6 +63,38 @@ def _restore_target(leaf):
   return leaf
 
 
+# Several processes: Orbax writes global arrays. The run's state lives per process (each holds the
+# same trained params on its own devices, tlt_jax/multihost.py), so every leaf is saved as one
+# array replicated over all processes' devices (process 0's copy is written) and restored onto
+# the devices it came from.
+
+
+def _replicated_everywhere() -> jax.sharding.NamedSharding:
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _to_global(x):
+  if not isinstance(x, jax.Array):
+    return x
+  sharding = _replicated_everywhere()
+  local = x.addressable_data(0)
+  shards = [jax.device_put(local, d) for d in sharding.addressable_devices]
+  return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+
+
+def _global_target(leaf):
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=_replicated_everywhere())
+  return leaf
+
+
+def _to_local(restored, target):
+  if isinstance(restored, jax.Array) and isinstance(target, jax.ShapeDtypeStruct):
+    return jax.device_put(restored.addressable_data(0), target.sharding)
+  return restored
+
+
 def _key_str(k) -> str:
   # Orbax's metadata turns tuples into lists and NamedTuples (optax states) into dicts keyed by
   # field name, so paths are compared as strings: index, field name or dict key alike.
@@ -120,7 +152,10 @@ class Checkpointer:
       if not isinstance(name, str) or not name or name == META or name[0] in "._" or "/" in name:
         raise ValueError(f"state entry name {name!r} is not usable as a checkpoint item name "
                          f"(non-empty, no '/', no leading '.' or '_', not {META!r})")
-      items[name] = ocp.args.StandardSave(_to_pure(tree))
+      pure = _to_pure(tree)
+      if jax.process_count() > 1:
+        pure = jax.tree.map(_to_global, pure)
+      items[name] = ocp.args.StandardSave(pure)
     try:
       # A copy taken now: the JSON is written in the background, after the caller has moved on
       # and possibly mutated its tuner / iterator state dicts. Also rejects non-JSON values here
@@ -210,16 +245,22 @@ class Checkpointer:
     step_dir = self._step_dir(step)
     saved_entries = sorted(p.name for p in step_dir.iterdir()
                            if p.is_dir() and p.name != META and p.name[0] not in "._")
-    args = {}
+    args, local_targets = {}, {}
+    multi = jax.process_count() > 1
     for name, abstract in abstract_state.items():
       if name not in saved_entries:
         raise CheckpointError(f"{self.directory} step {step}: no entry {name!r} "
                               f"(saved entries: {saved_entries})")
       target = jax.tree.map(_restore_target, _to_pure(abstract))
       self._check_entry(step, name, target)
-      args[name] = ocp.args.StandardRestore(target)
+      local_targets[name] = target
+      args[name] = ocp.args.StandardRestore(jax.tree.map(_global_target, target) if multi
+                                            else target)
     args[META] = ocp.args.JsonRestore()
     restored = self._mngr.restore(step, args=ocp.args.Composite(**args))
+    if multi:
+      restored = {name: jax.tree.map(_to_local, restored[name], local_targets[name])
+                  if name in local_targets else restored[name] for name in args}
     state = {name: _from_pure(abstract_state[name], restored[name]) for name in abstract_state}
     return state, restored[META]
 

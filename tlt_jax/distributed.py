@@ -38,8 +38,8 @@ def settings(c: ml_collections.ConfigDict) -> dict[str, Any] | None:
     try:
       device_ids = [int(x) for x in d.local_device_ids.split(",") if x.strip()]
     except ValueError:
-      problems.append(f"distributed.local_device_ids={d.local_device_ids!r} must be comma-separated "
-                      "integers, e.g. '0,1,2,3'")
+      problems.append(f"distributed.local_device_ids={d.local_device_ids!r} must be comma-"
+                      "separated integers, e.g. '0,1,2,3'")
   if d.num_processes == 1 and (address or d.process_id > 0 or device_ids):
     problems.append("distributed.coordinator_address / process_id / local_device_ids are set but "
                     "distributed.num_processes=1 (a single process needs none of them; set "
@@ -69,6 +69,10 @@ def initialize_from_config(c: ml_collections.ConfigDict) -> None:
   if jax.distributed.is_initialized():  # someone else started it; trust them
     _initialized_with = kwargs
     return
+  # CPU processes need a collectives backend to all-gather / all-reduce across processes (the
+  # setting only concerns CPU devices; GPUs and TPUs use their own interconnect).
+  if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
   try:
     jax.distributed.initialize(**kwargs)
   except RuntimeError as e:

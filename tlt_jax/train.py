@@ -29,8 +29,9 @@ DEFAULT_CONFIG = os.path.join(REPO_ROOT, "experiments", "configs", "tiny_arith.p
 PURPOSE_ROLLOUT, PURPOSE_EVAL, PURPOSE_WARMUP = 1, 2, 3
 
 
-def derived_seed(seed: int, purpose: int, step: int) -> np.int32:
-  return np.int32(np.random.SeedSequence([seed, purpose, step]).generate_state(1)[0] & 0x7FFFFFFF)
+def derived_seed(seed: int, purpose: int, step: int, *more: int) -> np.int32:
+  return np.int32(np.random.SeedSequence([seed, purpose, step, *more]).generate_state(1)[0]
+                  & 0x7FFFFFFF)
 
 
 def parse_mix(spec: str) -> dict[int, float]:
@@ -167,6 +168,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
 
   from tlt_jax import checkpoint as ckpt_lib  # noqa: PLC0415
   from tlt_jax import metrics as metrics_lib  # noqa: PLC0415
+  from tlt_jax import multihost  # noqa: PLC0415
   from tlt_jax.data.pipeline import prompt_dataset  # noqa: PLC0415
   from tlt_jax.evaluate import evaluate  # noqa: PLC0415
   from tlt_jax.model import lora  # noqa: PLC0415
@@ -180,10 +182,18 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   from tlt_jax.tlt.scheduler import SpotConfig, SpotTrainer  # noqa: PLC0415
 
   t_start = time.perf_counter()
+  # Several processes (config.distributed): each decodes its share of the prompts, the rollouts
+  # are gathered and every process trains on all of them (tlt_jax/multihost.py). Process 0
+  # writes the metrics, plots, exports and summary; checkpoints are written by all together.
+  multi, pid = jax.process_count() > 1, jax.process_index()
+  primary = pid == 0
   workdir = c.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+  if multi and not c.workdir:
+    raise ValueError("a multi-process run needs config.workdir (the same path on every process)")
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(c.to_json_best_effort(indent=2))
+  if primary:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(c.to_json_best_effort(indent=2))
   progress = (lambda *a, **k: metrics_lib.progress(*a, **k)) if c.metrics.progress else (
       lambda *a, **k: metrics_lib.progress(*a, disable=True, **k))
 
@@ -211,7 +221,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
     spot = SpotTrainer(drafter, model, buffer, SpotConfig(
         lr=t.drafter_lr, rows=t.rows, row_len=t.row_len,
         max_steps_per_rollout=t.max_steps_per_rollout, seed=c.seed))
-  buffer_dir = os.path.join(workdir, "drafter_buffer")
+  buffer_dir = os.path.join(workdir, "drafter_buffer", *([f"process_{pid}"] if multi else []))
   rl = c.rl
   trainer = Trainer(model, TrainConfig(
       algorithm=rl.algorithm, loss=rl.loss, lr=rl.lr, warmup_steps=rl.warmup_steps,
@@ -253,8 +263,8 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
     state, meta = ckpt.restore(run_state(), latest)
     trainer.load_state(state)
     engine.update_policy(trainer.policy())
-    data.set_state(meta["data_iterator"])
-    for e, tuner_state in zip(engine.engines, meta["tuners"]):
+    data.set_state(meta["data_iterator"][pid] if multi else meta["data_iterator"])
+    for e, tuner_state in zip(engine.engines, meta["tuners"][pid] if multi else meta["tuners"]):
       e.tuner.load_state_dict(tuner_state)
     if spot is not None:
       spot.load_state({"params": state["drafter"], "opt_state": state["drafter_opt"]},
@@ -271,16 +281,22 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
     eval_before = run_eval(0)
     totals["eval_s"] += time.perf_counter() - t0
 
-  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.metrics.tensorboard)
+  # Other processes log their (identical, gathered) step metrics under process_<i>/.
+  writer = (metrics_lib.MetricsWriter(workdir, tensorboard=c.metrics.tensorboard) if primary
+            else metrics_lib.MetricsWriter(os.path.join(workdir, f"process_{pid}"),
+                                           tensorboard=False))
   scorer = RewardScorer(RewardSpec(rl.correct_weight, rl.format_weight),
                         workers=rl.reward_workers, kind=rl.reward_worker_kind)
   if latest is None:
     writer.write(0, {"eval_accuracy": eval_before["accuracy"]})
 
   def save_meta(step: int) -> dict:
+    tuners = [e.tuner.state_dict() for e in engine.engines]
     meta = {"step": step, "data_iterator": data.get_state(), "totals": totals,
-            "eval_before": eval_before, "tuners": [e.tuner.state_dict() for e in engine.engines],
-            "seed": c.seed}
+            "eval_before": eval_before, "tuners": tuners, "seed": c.seed}
+    if multi:  # each process resumes its own data shard and tuners
+      meta.update(data_iterator=multihost.gather_json(data.get_state()),
+                  tuners=multihost.gather_json(tuners))
     if spot is not None:
       meta.update(drafter_steps_done=spot.steps_done, drafter_version=spot.version)
     if buffer is not None and t.spill_buffer:
@@ -303,7 +319,8 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
     if spot is not None:
       spot.refresh_data(trainer.policy())  # the window so far, features of the current policy
     t0 = time.perf_counter()
-    samples = engine.generate(prompts, group_size=G, seed=derived_seed(c.seed, PURPOSE_ROLLOUT, step),
+    rollout_seed = derived_seed(c.seed, PURPOSE_ROLLOUT, step, *([pid] if multi else []))
+    samples = engine.generate(prompts, group_size=G, seed=rollout_seed,
                               on_finish=score_when_done, spot=spot,
                               min_live_share=t.min_live_share, **forced_arm)
     rollout_s = time.perf_counter() - t0
@@ -325,15 +342,24 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
 
     rewards = np.array([scores[i]["reward"] for i in range(N)], np.float32)
     correct = np.array([scores[i]["correct"] for i in range(N)], np.float32)
-    lengths = np.array([len(s.tokens) for s in samples], np.int32)
+    batch_prompts = [s.prompt for s in samples]
+    batch_tokens, batch_logps = [s.tokens for s in samples], [s.logprobs for s in samples]
+    finish = [s.finish_reason for s in samples]
+    if multi:  # the whole batch, every process's samples in process order
+      g = multihost.gather_rollouts(batch_prompts, batch_tokens, batch_logps, rewards, correct,
+                                    finish, max_prompt_len=r.max_prompt_len,
+                                    max_new_tokens=r.max_new_tokens)
+      batch_prompts, batch_tokens, batch_logps = g["prompts"], g["tokens"], g["logprobs"]
+      rewards, correct, finish = g["rewards"], g["correct"], g["finish"]
+    lengths = np.array([len(t) for t in batch_tokens], np.int32)
     if rl.overlong_buffer:
       rewards = rewards + np.asarray(algorithms.overlong_penalty(lengths, r.max_new_tokens,
                                                                  rl.overlong_buffer))
     advantages = np.asarray(algorithms.ADVANTAGES[rl.algorithm](rewards, G))
     mixed = np.asarray(algorithms.mixed_groups(rewards, G))
     keep = mixed.astype(np.float32) if rl.algorithm == "dapo" else None
-    batch = make_batch([s.prompt for s in samples], [s.tokens for s in samples],
-                       [s.logprobs for s in samples], advantages, train_len, weights_N=keep)
+    batch = make_batch(batch_prompts, batch_tokens, batch_logps, advantages, train_len,
+                       weights_N=keep)
     t0 = time.perf_counter()
     try:
       stats = trainer.step(batch)
@@ -360,9 +386,9 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
         "reward_mean": float(rewards.mean()), "correct_mean": float(correct.mean()),
         "reward_std": float(rewards.std()), "mixed_group_fraction": float(mixed.mean()),
         "response_len_mean": float(lengths.mean()), "response_len_max": int(lengths.max()),
-        "truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
+        "truncated_fraction": float(np.mean([f == "length" for f in finish])),
         "rollout_s": rollout_s, "reward_wait_s": reward_wait_s, "train_s": train_s,
-        "rollout_tokens_per_s": float(lengths.sum() / rollout_s),
+        "rollout_tokens_per_s": float(sum(len(s.tokens) for s in samples) / rollout_s),
         "accept_len": report.accept_len, "sd_chunk_fraction": report.sd_chunk_fraction,
         **tlt_record, **stats}
     last_trace = report.trace
@@ -387,6 +413,11 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   writer.close()
   ckpt.wait()
   ckpt.close()
+  # Processes hold their own copy of the trained weights: their fingerprints must agree.
+  fingerprint = multihost.fingerprint(trainer.trainable) if multi else None
+  if not primary:
+    return {"workdir": workdir, "process_index": pid, "eval_after": eval_after,
+            "eval_accuracy_after": eval_after["accuracy"], "trainable_sha256": fingerprint}
   if c.checkpoint.export_adapter and c.lora.rank > 0:
     ckpt_lib.export_adapter(trainer.policy(), os.path.join(workdir, "export", "adapter"),
                             base_model_name_or_path=os.path.abspath(c.model.hf_dir))
@@ -414,6 +445,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
       "reward_last": steps_run[-1]["reward_mean"] if steps_run else None,
       "wall_s": time.perf_counter() - t_start, "compile_s": compile_s, **totals,
       "data": data_report, "plots": [os.path.relpath(p, workdir) for p in plots],
+      **({"processes": jax.process_count(), "trainable_sha256": fingerprint} if multi else {}),
   }
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)

@@ -1,0 +1,39 @@
+"""One process of tests/test_multiprocess.py: `python tests/multiprocess_worker.py PID PORT WORKDIR
+OUT.json` runs one RL step of tiny_arith:smoke with TLT on, as process PID of 2 (gloo on CPU,
+2 host devices each), and writes its summary to OUT.json."""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["TLT_NO_PROGRESS"] = "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tlt_jax import config as config_lib  # noqa: E402
+from tlt_jax import train  # noqa: E402
+
+
+def main(pid: int, port: int, workdir: str, out: str) -> None:
+  c = config_lib.load_config_file(os.path.join(ROOT, "experiments", "configs", "tiny_arith.py"),
+                                  "smoke")
+  c.distributed.coordinator_address = f"127.0.0.1:{port}"
+  c.distributed.num_processes, c.distributed.process_id = 2, pid
+  c.workdir = workdir
+  c.rl.steps = 1
+  c.rollout.prompts_per_step, c.rollout.group_size = 2, 2
+  c.rollout.max_new_tokens, c.rollout.buckets = 24, (2,)
+  c.rollout.groups = 2  # one group per local device: the drafter trains on a finished group's
+  c.tlt.enabled, c.tlt.arms, c.tlt.row_len = True, "chain2", 64
+  c.eval.num_problems = 2
+  c.checkpoint.export_merged = False
+  c.metrics.plots = c.metrics.tensorboard = False
+  summary = train.run(c, "multiprocess")
+  with open(out, "w") as f:
+    json.dump({k: summary.get(k) for k in ("trainable_sha256", "eval_accuracy_after",
+                                             "processes", "steps")}, f)
+
+
+if __name__ == "__main__":
+  main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -1,0 +1,57 @@
+"""Two processes on 127.0.0.1 (gloo collectives on CPU, 2 host devices each) run one RL step of
+the smoke config with TLT on: each decodes its own prompts (with spot drafter training on its
+own devices), the rollouts are gathered, and both train on the whole batch. They must agree:
+bitwise-equal LoRA weights and equal step metrics, and the checkpoint is written once."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from tlt_jax import metrics
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
+# Per-process figures: time, and the TLT side of each process's own rollout.
+LOCAL = {"rollout_s", "reward_wait_s", "train_s", "step_s", "rollout_tokens_per_s", "accept_len",
+         "sd_chunk_fraction", "buffer_tokens", "idle_device_s"}
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_run_one_rl_step_with_tlt_and_agree(tmp_path):
+  port, workdir = _free_port(), tmp_path / "run"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  procs = [subprocess.Popen([sys.executable, WORKER, str(pid), str(port), str(workdir),
+                             str(tmp_path / f"out{pid}.json")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+  logs = []
+  for p in procs:
+    try:
+      logs.append(p.communicate(timeout=600)[0])
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise
+  for pid, (p, log) in enumerate(zip(procs, logs)):
+    assert p.returncode == 0, f"process {pid}:\n{log[-4000:]}"
+  out = [json.loads((tmp_path / f"out{pid}.json").read_text()) for pid in (0, 1)]
+  assert out[0]["processes"] == 2 and len(out[0]["trainable_sha256"]) == 64
+  assert out[0]["trainable_sha256"] == out[1]["trainable_sha256"]
+  assert out[0]["eval_accuracy_after"] == out[1]["eval_accuracy_after"]
+
+  rows = [[r for r in metrics.read_jsonl(os.path.join(d, "metrics.jsonl")) if "reward_mean" in r]
+          for d in (workdir, workdir / "process_1")]
+  assert len(rows[0]) == len(rows[1]) == 1
+  shared = {k: v for k, v in rows[0][0].items()
+            if k not in LOCAL and not k.startswith("drafter_")}
+  assert shared == {k: rows[1][0][k] for k in shared}
+  # Both processes decoded with the drafter, each on its own prompts (its own buffer).
+  assert rows[0][0]["accept_len"] > 0 and rows[1][0]["accept_len"] > 0
+  assert sorted(os.listdir(workdir / "drafter_buffer")) == ["process_0", "process_1"]
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["1"]
+  assert (workdir / "summary.json").exists() and not (workdir / "process_1" / "summary.json").exists()

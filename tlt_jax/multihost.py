@@ -1,0 +1,70 @@
+"""One RL step across processes: every process decodes its own share of the prompts on its own
+devices, then the rollouts are all-gathered so each process trains on the whole batch.
+
+The rollout data of a step is small (token ids, sampler log-probs, rewards), so gathering it is
+cheap, and it keeps the update exact: the loss is normalised over the global batch, as in a
+single-process run, which averaging per-process gradients would not do when the processes'
+token counts differ. The train step then runs the same program on the same inputs in every
+process, so the parameters stay bitwise identical without a broadcast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import jax
+import numpy as np
+
+FINISH_REASONS = ("eos", "stop", "length")
+
+
+def gather_rollouts(prompts: list[list[int]], tokens: list[np.ndarray],
+                    logprobs: list[np.ndarray], rewards_N: np.ndarray, correct_N: np.ndarray,
+                    finish: list[str], *, max_prompt_len: int, max_new_tokens: int) -> dict:
+  """The step's rollouts of all processes, in process order: {"prompts", "tokens", "logprobs"
+  (lists), "rewards", "correct" (arrays), "finish" (list)}. Every process must pass the same
+  number of samples."""
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  N = len(tokens)
+  prompt_NxP = np.zeros((N, max_prompt_len), np.int32)
+  tokens_NxT = np.zeros((N, max_new_tokens), np.int32)
+  logp_NxT = np.zeros((N, max_new_tokens), np.float32)
+  for i in range(N):
+    prompt_NxP[i, :len(prompts[i])] = prompts[i]
+    tokens_NxT[i, :len(tokens[i])] = tokens[i]
+    logp_NxT[i, :len(logprobs[i])] = logprobs[i]
+  local = {"prompt": prompt_NxP, "prompt_len": np.array([len(p) for p in prompts], np.int32),
+           "tokens": tokens_NxT, "len": np.array([len(t) for t in tokens], np.int32),
+           "logp": logp_NxT, "rewards": np.asarray(rewards_N, np.float32),
+           "correct": np.asarray(correct_N, np.float32),
+           "finish": np.array([FINISH_REASONS.index(f) for f in finish], np.int32)}
+  g = {k: np.asarray(v) for k, v in multihost_utils.process_allgather(local, tiled=True).items()}
+  return {"prompts": [g["prompt"][i, :n].tolist() for i, n in enumerate(g["prompt_len"])],
+          "tokens": [g["tokens"][i, :n] for i, n in enumerate(g["len"])],
+          "logprobs": [g["logp"][i, :n] for i, n in enumerate(g["len"])],
+          "rewards": g["rewards"], "correct": g["correct"],
+          "finish": [FINISH_REASONS[f] for f in g["finish"]]}
+
+
+def gather_json(value) -> list:
+  """[value of process 0, value of process 1, ...] for a small JSON-able value (iterator and
+  tuner states: each process has its own, the checkpoint keeps all of them)."""
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  lengths = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int32)))
+  padded = np.zeros(int(lengths.max()), np.uint8)
+  padded[:len(data)] = data
+  everyone = np.asarray(multihost_utils.process_allgather(padded))
+  return [json.loads(bytes(row[:n]).decode()) for row, n in zip(everyone, lengths.reshape(-1))]
+
+
+def fingerprint(tree) -> str:
+  """sha256 of every leaf's bytes, in tree order: equal iff the processes' weights are bitwise
+  equal."""
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves(tree):
+    digest.update(np.ascontiguousarray(jax.device_get(leaf)).tobytes())
+  return digest.hexdigest()

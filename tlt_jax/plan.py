@@ -1,0 +1,783 @@
+"""Will a config fit? Per-device memory of every component of the RL job on the config's mesh,
+computed abstractly (nothing of a 7B/32B model is allocated), and its programs lowered there.
+
+    python -m tlt_jax.plan --config experiments/configs/qwen2_5_7b_8gpu.py
+    python -m tlt_jax.plan --config FILE[:variant] --config.lora.rank=0 --json plan.json [--compile]
+
+The CLI asks XLA for `plan.device_count` CPU devices (or the mesh's product) before JAX starts,
+so a 32-device plan runs on a laptop; in a process whose JAX already has another device count
+(tests) the same numbers come from a `jax.sharding.AbstractMesh`. `plan(c)` raises
+`PlanDoesNotFit`, naming the largest components, when the per-device total exceeds
+`plan.device_memory_gib x plan.headroom`; the CLI prints the table and exits 1.
+
+What is counted, per device, from each array's shard shape on the mesh (`tlt_jax/mesh.py` rules):
+  always   params (frozen base), trainable (LoRA, or all params at lora.rank=0), AdamW state
+           (optax, as `rl/trainer.py` builds it), the drafter (an engine copy, the spot
+           trainer's copy and its AdamW state; replicated, as `tlt/scheduler.py` places it),
+           the drafter's data window (every sample's [max_new_tokens, D] hidden states, kept on
+           device for tlt.window_steps steps);
+  rollout  the engine's slots at its largest bucket (KV cache of every layer + the drafter's
+           layer, slots = max_prompt_len + max_new_tokens + the widest SD window, padded to the
+           KV split; per-token output buffers) and the step transients: the prefill of a whole
+           bucket (a second cache, f32 logits over every prompt position) or a decode round;
+  train    gradients (accumulated + one chunk's) and one chunk's activations: the residuals
+           JAX's autodiff keeps for the real loss (`Trainer._loss_fn` traced abstractly over
+           rl.chunk_rows x (max_prompt_len + max_new_tokens) tokens; no remat: the trainer has
+           none) plus the largest backward transient (one layer's f32 attention scores, which
+           the reference VJP of the batch-invariant attention recomputes, or the f32 logits'
+           gradient).
+total = always + max(rollout, train): the caches are gone when the trainer runs.
+
+Cheap by construction: layers are identical, so sizes come from 1- and 2-layer abstract models
+scaled to the real depth (tracing 64 layers costs minutes, 2 cost a second), and the lowered
+programs (train grad, optimizer update, prefill, decode chunk) have `plan.lower_layers` layers
+(0 = all). `--compile` also compiles them (needs the mesh's devices: the CLI has them) and adds
+XLA's `memory_analysis()` for this host's backend. On CPU that is a rough check only: the
+batch-invariant kernels run as their blocked pure-JAX twin there (far larger temporaries than the
+Pallas kernels), and XLA:CPU keeps extra copies of the decode loop's output buffers. On the
+accelerator itself (`JAX_PLATFORMS=cuda` or `tpu`, with the mesh's device count) the same flag
+reports that backend's numbers.
+
+Activation shards are a rule, not XLA's propagation: a leading batch axis over data x fsdp, the
+MLP / vocabulary / head axes over model, hidden-size axes replicated over model (conservative).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.extend import core as jcore
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+
+from tlt_jax import config as config_lib
+from tlt_jax import mesh as mesh_lib
+from tlt_jax import ops
+from tlt_jax.model import lora
+from tlt_jax.model.drafter import Drafter
+from tlt_jax.model.transformer import ModelConfig, Transformer
+from tlt_jax.rl.trainer import TrainConfig, Trainer
+from tlt_jax.rollout import engine as engine_lib
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.tuner import OFF, Arm, Tuner, parse_arms
+
+GIB = 2 ** 30
+PHASES = ("always", "rollout", "train")
+
+
+class PlanDoesNotFit(ValueError):
+  """The per-device total exceeds the usable memory; `.plan` is the full result."""
+
+  def __init__(self, message: str, plan: dict):
+    super().__init__(message)
+    self.plan = plan
+
+
+@dataclasses.dataclass
+class Row:
+  name: str
+  phase: str  # "always" | "rollout" | "train"
+  global_bytes: float
+  device_bytes: float
+  sharding: str
+  note: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices and mesh
+
+
+def requested_devices(c: ml_collections.ConfigDict) -> int | None:
+  """Devices to ask XLA for before JAX starts: plan.device_count, else a fully given mesh."""
+  if c.plan.device_count:
+    return int(c.plan.device_count)
+  sizes = (c.mesh.data, c.mesh.fsdp, c.mesh.model)
+  return None if -1 in sizes else math.prod(sizes)
+
+
+def force_host_devices(n: int) -> None:
+  """--xla_force_host_platform_device_count=n in XLA_FLAGS (read when JAX creates its backends)."""
+  flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def mesh_sizes(c: ml_collections.ConfigDict, n: int, source: str) -> tuple[int, int, int]:
+  """(data, fsdp, model) over n devices; a mismatch names the keys."""
+  sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.model]
+  text = f"mesh.data={sizes[0]} x mesh.fsdp={sizes[1]} x mesh.model={sizes[2]}"
+  if any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(f"{text}: every mesh axis must be a positive size or -1 (the rest)")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if n % known:
+      raise ValueError(f"{text}: the fixed axes ({known} devices) do not divide {source}={n}")
+    sizes[sizes.index(-1)] = n // known
+  elif known != n:
+    raise ValueError(f"{text} needs {known} devices, but {source}={n}: set the mesh axes so their "
+                     f"product is {n}, or plan.device_count={known}")
+  return tuple(sizes)
+
+
+def _mesh(sizes: tuple[int, int, int]):
+  """The real devices when there are exactly that many, else an AbstractMesh (same shardings)."""
+  devices = jax.devices()
+  if len(devices) == math.prod(sizes):
+    return mesh_lib.make_mesh(*sizes, devices=devices), "devices"
+  return AbstractMesh(sizes, mesh_lib.MESH_AXES), "abstract"
+
+
+# ---------------------------------------------------------------------------------------------
+# The job's pieces, abstractly and as the RL job builds them
+
+
+def _abstract_model(mcfg: ModelConfig, c, layers: int) -> Transformer:
+  cfg = dataclasses.replace(mcfg, num_layers=layers)
+
+  def build():
+    model = Transformer(cfg, nnx.Rngs(c.seed))
+    if c.lora.rank > 0:
+      lora.apply_lora(model, rank=c.lora.rank, alpha=c.lora.alpha, targets=tuple(c.lora.targets),
+                      seed=c.seed)
+    return model
+  return nnx.eval_shape(build)
+
+
+def _split(model: Transformer, full_ft: bool):
+  """(graphdef, trainable, frozen), as Trainer splits the model."""
+  return nnx.split(model, nnx.Param if full_ft else nnx.LoRAParam, ...)
+
+
+def _sampling(c) -> SamplingParams:
+  r = c.rollout
+  return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+
+
+def _train_config(c) -> TrainConfig:
+  rl, r = c.rl, c.rollout
+  return TrainConfig(
+      algorithm=rl.algorithm, loss=rl.loss, lr=rl.lr, warmup_steps=rl.warmup_steps,
+      weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm, minibatches=rl.minibatches,
+      epochs=rl.epochs, eps_low=rl.eps_low if rl.eps_low >= 0 else None,
+      eps_high=rl.eps_high if rl.eps_high >= 0 else None, kl_coef=rl.kl_coef,
+      kl_estimator=rl.kl_estimator, tis_cap=rl.tis_cap, max_response_len=r.max_new_tokens,
+      chunk_rows=rl.chunk_rows, sampling=_sampling(c))
+
+
+def _engine_config(c, with_drafter: bool) -> engine_lib.EngineConfig:
+  r = c.rollout
+  arms = parse_arms(c.tlt.arms) if with_drafter else (Arm(OFF),)
+  return engine_lib.EngineConfig(
+      buckets=tuple(r.buckets), max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
+      chunk_steps=r.chunk_steps, verification=r.verification, sampling=_sampling(c),
+      compaction=r.compaction, seed=c.seed, arms=arms, compilation_cache_dir="")
+
+
+def _adamw(c) -> optax.GradientTransformation:
+  # As Trainer builds it (a warm-up schedule keeps no state beyond adam's count).
+  return optax.chain(optax.clip_by_global_norm(c.rl.max_grad_norm),
+                     optax.adamw(c.rl.lr, weight_decay=c.rl.weight_decay))
+
+
+class _ShapeTrainer(Trainer):
+  """`Trainer`'s own device functions over traced state: no __init__, so nothing is allocated."""
+
+  def __init__(self, cfg: TrainConfig, graphdef, frozen, tx=None):  # noqa: D107 (no super)
+    self.cfg, self.graphdef, self.frozen, self.tx = cfg, graphdef, frozen, tx
+
+
+def _train_inputs(c):
+  """One chunk of the longest rows (and the prepare pass's outputs when there is one)."""
+  R, L, f32 = c.rl.chunk_rows, c.rollout.max_prompt_len + c.rollout.max_new_tokens, jnp.float32
+  chunk = (jax.ShapeDtypeStruct((R, L), jnp.int32), jax.ShapeDtypeStruct((R, L - 1), bool),
+           jax.ShapeDtypeStruct((R, L - 1), f32), jax.ShapeDtypeStruct((R,), f32))
+  extra = (None, None, None)
+  if not (c.rl.minibatches == 1 and c.rl.epochs == 1):
+    logp = jax.ShapeDtypeStruct((R, L - 1), f32)
+    extra = (logp, logp if c.rl.tis_cap else None, logp if c.rl.kl_coef else None)
+  return chunk, extra
+
+
+def _slots_shape(target, drafter, ecfg, rows: int):
+  """The engine's state for `rows` slots (`engine._prefill` evaluated abstractly)."""
+  gd, params = nnx.split(target)
+  dgd, dparams = nnx.split(drafter) if drafter is not None else (None, None)
+
+  def init(params, dparams):
+    d = nnx.merge(dgd, dparams) if dgd is not None else None
+    zeros, ones = jnp.zeros((rows, ecfg.max_prompt_len), jnp.int32), jnp.ones((rows,), jnp.int32)
+    return engine_lib._prefill(nnx.merge(gd, params), d, ecfg, zeros, ones, ones, ones,
+                               jnp.int32(0))
+  with ops.numerics_mode("xla"):  # shapes only
+    return jax.eval_shape(init, params, dparams)
+
+
+def _bucket_rows(c, ecfg) -> tuple[int, int]:
+  """(rows of one group's largest bucket, groups): the engine starts in the smallest bucket
+  that holds its share of the batch, or the largest bucket."""
+  r, groups = c.rollout, max(c.rollout.groups, 1)
+  share = -(-r.prompts_per_step * r.group_size // groups)
+  return next((b for b in ecfg.buckets if b >= share), ecfg.buckets[-1]), groups
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes per device
+
+
+def _spec(path: str, shape: tuple[int, ...], mesh) -> P:
+  try:
+    return mesh_lib.param_spec(path, shape, mesh)
+  except KeyError:  # optimizer counters and other scalars: replicated
+    return P()
+
+
+def _shardings(tree, mesh):
+  """The mesh.py rules for params, and for optimizer state through its param-shaped paths."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: NamedSharding(mesh, _spec(mesh_lib._path_str(path), x.shape, mesh)), tree)
+
+
+def _axes(spec: P) -> tuple[str, ...]:
+  used = set()
+  for entry in spec:
+    used |= {entry} if isinstance(entry, str) else set(entry or ())
+  return tuple(a for a in mesh_lib.MESH_AXES if a in used)
+
+
+def _summary(by_axes: dict[tuple[str, ...], float]) -> str:
+  total = sum(by_axes.values()) or 1.0
+  items = sorted(by_axes.items(), key=lambda kv: -kv[1])
+  return ", ".join(f"{'+'.join(k) if k else 'replicated'} {100 * v / total:.0f}%"
+                   for k, v in items[:3] if v / total >= 0.005) or "-"
+
+
+@dataclasses.dataclass
+class _Count:
+  elements: float = 0.0
+  global_bytes: float = 0.0
+  device_bytes: float = 0.0
+  layer_bytes: float = 0.0  # one decoder layer's share of global_bytes
+  by_axes: dict = dataclasses.field(default_factory=dict)
+
+
+def _count(tree, mesh, layers: int) -> _Count:
+  """Sizes of an abstract pytree of a 1-layer model as the `layers`-layer model's (its leaves
+  under layers/0/ stand for every layer's)."""
+  n = _Count()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    p = mesh_lib._path_str(path)
+    in_layer = re.search(r"(^|/)layers/\d+/", p) is not None
+    mult = layers if in_layer else 1
+    spec = _spec(p, leaf.shape, mesh)
+    size = math.prod(leaf.shape) * leaf.dtype.itemsize
+    n.elements += math.prod(leaf.shape) * mult
+    n.global_bytes += size * mult
+    n.device_bytes += (math.prod(NamedSharding(mesh, spec).shard_shape(leaf.shape))
+                       * leaf.dtype.itemsize * mult)
+    n.layer_bytes += size if in_layer else 0
+    n.by_axes[_axes(spec)] = n.by_axes.get(_axes(spec), 0.0) + size * mult
+  return n
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shards:
+  """How activations split: rows over data x fsdp, one MLP / vocab / head axis over model."""
+  batch: int
+  model: int
+  model_dims: frozenset  # axis sizes the rules shard over `model` (never the hidden size)
+
+  def rows(self, n: int) -> float:
+    return n / self.batch if n % self.batch == 0 else n
+
+  def over_model(self, dim: int) -> float:
+    return dim / self.model if dim % self.model == 0 else dim
+
+  def activation(self, shape, itemsize: int) -> float:
+    n = math.prod(shape) * itemsize
+    if shape and shape[0] % self.batch == 0:
+      n /= self.batch
+    for d in shape[1:]:
+      if d in self.model_dims and d % self.model == 0:
+        return n / self.model
+    return n
+
+  def rule(self, rows: int, extra: str = "") -> str:
+    first = ("rows over data+fsdp" if rows % self.batch == 0 else "rows replicated"
+             ) if self.batch > 1 else ""
+    return ", ".join(x for x in (first, extra) if x) or "replicated"
+
+
+def _slots_shardings(slots, mesh, shards: _Shards, kv_heads: int):
+  """Rows over data x fsdp; the caches' KV heads ([B, S, K, D]) over model when they divide."""
+  def one(path, leaf):
+    spec = [None] * len(leaf.shape)
+    if leaf.shape and leaf.shape[0] % shards.batch == 0 and shards.batch > 1:
+      spec[0] = mesh_lib.LOGICAL_TO_MESH["batch"]
+    if (re.match(r"(draft_)?cache/", mesh_lib._path_str(path)) and shards.model > 1
+        and kv_heads % shards.model == 0):
+      spec[2] = "model"
+    return NamedSharding(mesh, P(*spec))
+  return jax.tree_util.tree_map_with_path(one, slots)
+
+
+def _slots_bytes(slots, shardings, layers: int) -> tuple[float, float]:
+  """(global, per-device) bytes of a 1-layer target's slots, its cache scaled to `layers`."""
+  g = d = 0.0
+  for (path, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(slots),
+                              jax.tree.leaves(shardings)):
+    nbytes = leaf.dtype.itemsize * (layers if mesh_lib._path_str(path).startswith("cache/") else 1)
+    g += math.prod(leaf.shape) * nbytes
+    d += math.prod(sh.shard_shape(leaf.shape)) * nbytes
+  return g, d
+
+
+_ALIASING = ("reshape", "squeeze", "expand_dims")  # bitcasts in XLA: no buffer of their own
+
+
+def _residual_buffers(jaxpr) -> list:
+  """Avals of the distinct buffers among a jaxpr's outputs: inputs (the parameters) and
+  reshaped views of another output are not counted again."""
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  inputs, roots = set(jaxpr.invars), {}
+  for v in jaxpr.outvars:
+    if isinstance(v, jcore.Literal):
+      continue
+    while v in producer and producer[v].primitive.name in _ALIASING:
+      v = producer[v].invars[0]
+    if v not in inputs and not isinstance(v, jcore.Literal):
+      roots[v] = v.aval
+  return list(roots.values())
+
+
+def _residuals(c, mcfg, layers: int, shards: _Shards) -> tuple[float, float]:
+  """(global, per-device) bytes autodiff keeps from the forward of one chunk for its backward:
+  what `Trainer._loss_fn`'s pullback closes over, traced (not run) with `layers` layers."""
+  graphdef, trainable, frozen = _split(_abstract_model(mcfg, c, layers), c.lora.rank == 0)
+  tcfg = _train_config(c)
+  chunk, extra = _train_inputs(c)
+  reference = trainable if c.rl.kl_coef else None
+
+  def pullback_leaves(trainable, frozen, reference, chunk, extra):
+    shim = _ShapeTrainer(tcfg, graphdef, frozen)
+    loss = lambda t: shim._loss_fn(t, reference, jnp.float32(1.0), *chunk, *extra)  # noqa: E731
+    return jax.tree.leaves(jax.vjp(loss, trainable, has_aux=True)[1])
+
+  with ops.numerics_mode(c.numerics, c.numerics_backend):
+    closed = jax.make_jaxpr(pullback_leaves)(trainable, frozen, reference, chunk, extra)
+  res = _residual_buffers(closed.jaxpr)
+  return (sum(math.prod(x.shape) * x.dtype.itemsize for x in res),
+          sum(shards.activation(x.shape, x.dtype.itemsize) for x in res))
+
+
+def _g(nbytes: float) -> str:
+  return _gib(nbytes / GIB)
+
+
+def _gib(x: float) -> str:
+  return f"{x:.2f}" if x >= 0.01 or x == 0 else f"{x:.1e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The rows
+
+
+def _drafter_rows(c, mcfg, shards: _Shards, drafter) -> list[Row]:
+  """Its own parameters (embedding and lm_head are the target's), replicated as the engine and
+  the spot trainer place them, and the window of hidden states it trains on."""
+  r, t = c.rollout, c.tlt
+  leaves = jax.tree.leaves(nnx.state(drafter, nnx.Param))
+  n = sum(math.prod(x.shape) for x in leaves)
+  nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
+  copies = 4 if t.spot_training else 1
+  samples = r.prompts_per_step * r.group_size
+  window = t.window_steps * samples * r.max_new_tokens * mcfg.hidden_size * \
+      jnp.dtype(mcfg.dtype).itemsize
+  return [
+      Row("drafter", "always", nbytes * copies, nbytes * copies, "replicated",
+          f"{n / 1e6:.0f}M params x {copies} (engine, trainer, mu, nu)" if copies > 1
+          else f"{n / 1e6:.0f}M params (engine)"),
+      Row("drafter data", "always", window, shards.rows(samples) / samples * window,
+          shards.rule(samples), f"{t.window_steps} steps x {samples} samples x "
+          f"{r.max_new_tokens} x {mcfg.hidden_size} hidden")]
+
+
+def _rollout_rows(c, mcfg, mesh, shards: _Shards, n: int, target, drafter) -> list[Row]:
+  """The engine's slots at its largest bucket and the larger of its step transients: a whole
+  bucket's prefill (its new slots, f32 logits at every prompt position, one layer's
+  intermediates) or a decode round at any bucket (logits of every verified token, a tree's
+  per-query copy of one layer's cache)."""
+  t = c.tlt
+  ecfg = _engine_config(c, t.enabled)
+  D, V, I, H, K, hd = (mcfg.hidden_size, mcfg.vocab_size, mcfg.intermediate_size, mcfg.num_heads,
+                       mcfg.num_kv_heads, mcfg.head_dim)
+  itemsize, L = jnp.dtype(mcfg.dtype).itemsize, mcfg.num_layers
+  bucket, groups = _bucket_rows(c, ecfg)
+  rows = bucket * groups
+  slots = _slots_shape(target, drafter, ecfg, rows)
+  g, slots_dev = _slots_bytes(slots, _slots_shardings(slots, mesh, shards, K), L)
+  kv_rule = ("kv heads over model" if K % shards.model == 0 else
+             f"kv heads replicated ({K} % model={shards.model})") if shards.model > 1 else ""
+  out = [Row("kv cache", "rollout", g, slots_dev, shards.rule(rows, kv_rule),
+             f"{rows} slots x {ecfg.num_slots} tokens x {L}{' + 1 drafter' if t.enabled else ''}"
+             " layers; + output buffers")]
+
+  P_, S, xla, rd = ecfg.max_prompt_len, ecfg.num_slots, c.numerics == "xla", shards.rows(rows)
+  prefill = (slots_dev + rd * P_ * shards.over_model(V) * 4
+             + rd * P_ * (5 * D + 3 * shards.over_model(I)) * itemsize
+             + (4 * rd * shards.over_model(H) * P_ * S * 4 if xla else 0))  # as XLA:CPU holds
+  tuner, decode = Tuner(ecfg.arms, ecfg.buckets), 0.0
+  for b in (b for b in ecfg.buckets if b <= rows):
+    for a in (a for a in ecfg.arms if a.name in tuner.allowed[b]):
+      T, bd = a.verify_tokens, shards.rows(b)
+      x = 3 * bd * T * shards.over_model(V) * 4
+      x += 2 * bd * T * S * shards.over_model(K) * hd * itemsize if a.is_tree else 0
+      x += 2 * bd * shards.over_model(H) * T * S * 4 if xla else 0
+      decode = max(decode, x)
+  peak = max(prefill, decode)
+  out.append(Row("decode activations", "rollout", peak * shards.batch, peak,
+                 shards.rule(rows, "vocab over model" if shards.model > 1 else ""),
+                 f"peak: {'prefill' if prefill >= decode else 'decode round'} (prefill of "
+                 f"{rows} rows: {_g(prefill)} GiB incl. its new slots; decode round: "
+                 f"{_g(decode)} GiB)"))
+  if t.enabled and t.spot_training:  # on the devices of a rollout group that has finished
+    group_devices = n // groups
+    step = -(-t.rows // group_devices) * t.row_len * (4 * V * 4 + (6 * D + 3 * I) * itemsize)
+    out.append(Row("drafter step", "rollout", step * min(group_devices, t.rows), step,
+                   "rows over a group's devices",
+                   f"{t.rows} x {t.row_len} tokens: f32 logits x 4 + one layer"))
+  return out
+
+
+def _train_rows(c, mcfg, shards: _Shards, fsdp: int, layer_bytes: float) -> tuple[Row, str]:
+  """One chunk's residuals (1- and 2-layer traces; linear in depth) plus the largest backward
+  transient: one layer's f32 attention scores (the batch-invariant attention's reference VJP
+  recomputes them; XLA's attention keeps them too) or the f32 logits' gradient."""
+  L = mcfg.num_layers
+  R, T = c.rl.chunk_rows, c.rollout.max_prompt_len + c.rollout.max_new_tokens
+  g1, d1 = _residuals(c, mcfg, 1, shards)
+  g2, d2 = (g1, d1) if L == 1 else _residuals(c, mcfg, 2, shards)
+  g_res, d_res = g1 + (L - 1) * (g2 - g1), d1 + (L - 1) * (d2 - d1)
+  rdev = shards.rows(R)
+  scores = 3 * rdev * shards.over_model(mcfg.num_heads) * T * T * 4
+  dlogits = 2 * rdev * T * shards.over_model(mcfg.vocab_size) * 4
+  # FSDP gathers one layer's weights (split only over model) going forward and again backward.
+  gather = 2 * layer_bytes / shards.model if fsdp > 1 else 0.0
+  transient = max(scores, dlogits) + gather
+  row = Row("train activations", "train", g_res + transient * shards.batch, d_res + transient,
+            shards.rule(R, "mlp/vocab/heads over model" if shards.model > 1 else "")
+            + f" ({rdev:g} rows/device)",
+            f"{R} x {T} tokens: residuals {_g(d_res)} + backward transient {_g(transient)} GiB "
+            f"({'attention scores' if scores >= dlogits else 'dlogits'}"
+            f"{', fsdp gathers' if gather else ''})")
+  itemsize = jnp.dtype(mcfg.dtype).itemsize
+  remat = L * rdev * T * mcfg.hidden_size * itemsize + d1 + transient
+  note = (f"with per-layer remat (rl/trainer.py has none) train activations would be "
+          f"~{_g(remat)} GiB per device instead of {_g(d_res + transient)}")
+  return row, note
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
+def _lower(fn, args, platform: str | None, donate=(), compile_: bool = False) -> dict:
+  """Lowers (and compiles) for the mesh's devices, or for `platform` on an AbstractMesh."""
+  t0 = time.perf_counter()
+  traced = jax.jit(fn, donate_argnums=donate).trace(*args)
+  lowered = traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
+  out = {"lower_s": round(time.perf_counter() - t0, 2)}
+  if compile_:
+    t0 = time.perf_counter()
+    mem = lowered.compile().memory_analysis()
+    out["compile_s"] = round(time.perf_counter() - t0, 2)
+    if mem is not None:
+      out.update({k: getattr(mem, f"{k}_size_in_bytes") / GIB
+                  for k in ("temp", "argument", "output", "alias")})
+  return out
+
+
+def _lower_programs(c, mcfg, mesh, shards: _Shards, layers: int, compile_: bool) -> list[dict]:
+  """The train step (gradient of one chunk, optimizer update) and the rollout programs (prefill
+  of the largest bucket, one decode chunk with its widest SD arm), with `layers` layers, their
+  inputs carrying the shardings the memory rows assume."""
+  model = _abstract_model(mcfg, c, layers)
+  graphdef, trainable, frozen = _split(model, c.lora.rank == 0)
+  tr = _abstract(trainable, _shardings(trainable, mesh))
+  fr = _abstract(frozen, _shardings(frozen, mesh))
+  replicated = NamedSharding(mesh, P())
+  batch = lambda x: None if x is None else jax.ShapeDtypeStruct(  # noqa: E731
+      x.shape, x.dtype, sharding=mesh_lib.batch_sharding(mesh, len(x.shape))
+      if x.shape and x.shape[0] % shards.batch == 0 else replicated)
+  chunk, extra = (tuple(map(batch, x)) for x in _train_inputs(c))
+  tcfg, tx = _train_config(c), _adamw(c)
+  backend = jax.default_backend()
+  platform = None if isinstance(mesh, jax.sharding.Mesh) else {"gpu": "cuda"}.get(backend, backend)
+  drafter = nnx.eval_shape(lambda: Drafter(mcfg, nnx.Rngs(c.seed + 1))) if c.tlt.enabled else None
+  ecfg = _engine_config(c, drafter is not None)
+  bucket, groups = _bucket_rows(c, ecfg)
+  rows = bucket * groups
+  arm = max((a for a in ecfg.arms if a.name in Tuner(ecfg.arms, ecfg.buckets).allowed[bucket]),
+            key=lambda a: a.verify_tokens)
+  # The engine serves the policy itself (LoRA unmerged, as the trainer runs it).
+  tgd, tparams = nnx.split(model)
+  tparams = _abstract(tparams, _shardings(tparams, mesh))
+  dgd, dparams = nnx.split(drafter) if drafter is not None else (None, None)
+  dparams = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                         dparams)
+  models = lambda p, d: (nnx.merge(tgd, p), nnx.merge(dgd, d) if dgd else None)  # noqa: E731
+  slots = _slots_shape(model, drafter, ecfg, rows)
+  slots = _abstract(slots, _slots_shardings(slots, mesh, shards, mcfg.num_kv_heads))
+  i32 = lambda *s: batch(jax.ShapeDtypeStruct(s, jnp.int32))  # noqa: E731
+
+  def grad(trainable, frozen, reference, chunk, extra):
+    return _ShapeTrainer(tcfg, graphdef, frozen)._grad_fn(trainable, reference, jnp.float32(1.0),
+                                                          *chunk, *extra)
+
+  def prefill(p, d, *args):
+    return engine_lib._prefill(*models(p, d), ecfg, *args)
+
+  def decode(p, d, s, seed):
+    return engine_lib._decode_chunk(*models(p, d), ecfg, arm, s, seed)
+
+  opt = jax.eval_shape(tx.init, trainable)
+  R, L = chunk[0].shape
+  programs = [
+      ("train grad", f"Trainer._grad_fn: forward + backward of the policy loss, {R} x {L} tokens",
+       grad, (tr, fr, tr if c.rl.kl_coef else None, chunk, extra), ()),
+      ("optimizer update", "Trainer._apply_fn: clip + AdamW",
+       _ShapeTrainer(tcfg, graphdef, None, tx)._apply_fn,
+       (tr, _abstract(opt, _shardings(opt, mesh)), tr), (0, 1)),
+      ("prefill", f"engine._prefill of {rows} rows x {ecfg.max_prompt_len} tokens", prefill,
+       (tparams, dparams, i32(rows, ecfg.max_prompt_len), i32(rows), i32(rows), i32(rows), i32()),
+       ()),
+      ("decode chunk", f"engine._decode_chunk ({arm.name}, {ecfg.chunk_steps} rounds) over "
+       f"{rows} slots of {ecfg.num_slots}", decode, (tparams, dparams, slots, i32()), (2,)),
+  ]
+  with ops.numerics_mode(c.numerics, c.numerics_backend):
+    return [dict(program=name, what=what, **_lower(fn, args, platform, donate, compile_))
+            for name, what, fn, args, donate in programs]
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+
+
+def plan(c: ml_collections.ConfigDict, *, name: str = "config", lower: bool = True,
+         compile: bool = False) -> dict:  # noqa: A002 (the CLI flag's name)
+  """Per-device memory of the job `c` describes, on its mesh; raises PlanDoesNotFit (the result
+  attached) when it exceeds plan.device_memory_gib x plan.headroom."""
+  config_lib.validate(c)
+  n = c.plan.device_count or len(jax.devices())
+  sizes = mesh_sizes(c, n, "plan.device_count" if c.plan.device_count else "local devices")
+  mesh, mesh_kind = _mesh(sizes)
+  data, fsdp, model_ax = sizes
+  mcfg = config_lib.model_config(c)
+  D, L = mcfg.hidden_size, mcfg.num_layers
+  shards = _Shards(data * fsdp, model_ax, frozenset(
+      {mcfg.intermediate_size, mcfg.vocab_size, mcfg.num_heads * mcfg.head_dim,
+       mcfg.num_kv_heads * mcfg.head_dim, mcfg.num_heads, mcfg.num_kv_heads} - {D}))
+  full_ft = c.lora.rank == 0
+
+  # Parameters, trainable, optimizer: a 1-layer abstract model, scaled to L layers.
+  m1 = _abstract_model(mcfg, c, 1)
+  _, trainable, frozen = _split(m1, full_ft)
+  base, train_n = _count(frozen, mesh, L), _count(trainable, mesh, L)
+  opt = _count(jax.eval_shape(_adamw(c).init, trainable), mesh, L)
+  ref = 2 if c.rl.kl_coef else 1  # KL reference: a copy (full FT) or zeroed adapters (LoRA)
+  rows = [
+      Row("params", "always", base.global_bytes, base.device_bytes, _summary(base.by_axes),
+          "none frozen: full fine-tuning" if full_ft else "frozen base"),
+      Row("trainable", "always", train_n.global_bytes * ref, train_n.device_bytes * ref,
+          _summary(train_n.by_axes),
+          ("all params (lora.rank=0)" if full_ft else f"LoRA rank {c.lora.rank}")
+          + (" + KL reference copy" if ref == 2 else "")),
+      Row("optimizer", "always", opt.global_bytes, opt.device_bytes, _summary(opt.by_axes),
+          "AdamW mu + nu" + (" (full fine-tuning: lora.rank=0)" if full_ft else "")),
+      Row("gradients", "train", 2 * train_n.global_bytes, 2 * train_n.device_bytes,
+          _summary(train_n.by_axes), "accumulated + one chunk's")]
+  drafter = nnx.eval_shape(lambda: Drafter(mcfg, nnx.Rngs(c.seed + 1))) if c.tlt.enabled else None
+  if drafter is not None:
+    rows += _drafter_rows(c, mcfg, shards, drafter)
+  rows += _rollout_rows(c, mcfg, mesh, shards, n, m1, drafter)
+  train_row, remat_note = _train_rows(c, mcfg, shards, fsdp,
+                                      base.layer_bytes + train_n.layer_bytes)
+  rows.append(train_row)
+
+  phase = {p: sum(x.device_bytes for x in rows if x.phase == p) for p in PHASES}
+  total = phase["always"] + max(phase["rollout"], phase["train"])
+  rows.append(Row("total", "rollout" if phase["rollout"] >= phase["train"] else "train",
+                  sum(x.global_bytes for x in rows), total, "",
+                  f"always {_g(phase['always'])} + max(rollout {_g(phase['rollout'])}, "
+                  f"train {_g(phase['train'])})"))
+  with ops.numerics_mode(c.numerics, c.numerics_backend):
+    kernels = ops.backend()
+  notes = [remat_note] + ([f"rl.chunk_rows={c.rl.chunk_rows} is not a multiple of data x "
+                           f"fsdp={shards.batch}: every device holds the whole chunk"]
+                          if c.rl.chunk_rows % shards.batch else []) + [
+      "assumed: engine and trainer both lay out on c.mesh (train.py today gives the Trainer no "
+      "mesh and replicates the engine over each rollout group's devices)",
+      f"traced and lowered with numerics={c.numerics!r} ({kernels} kernels on this host; the "
+      "batch-invariant kernels save the same residuals on every backend)"]
+  usable = c.plan.device_memory_gib * c.plan.headroom
+  result = {
+      "name": name, "devices": n, "mesh": dict(zip(mesh_lib.MESH_AXES, sizes)),
+      "mesh_kind": mesh_kind,
+      "model": {"arch": mcfg.arch, "layers": L, "hidden": D, "vocab": mcfg.vocab_size,
+                "params": (train_n if full_ft else base).elements,
+                "trainable": train_n.elements, "dtype": mcfg.dtype},
+      "rows": [dict(dataclasses.asdict(x), global_gib=x.global_bytes / GIB,
+                    device_gib=x.device_bytes / GIB) for x in rows],
+      "total_device_gib": total / GIB, "device_memory_gib": c.plan.device_memory_gib,
+      "headroom": c.plan.headroom, "usable_gib": usable or None,
+      "fits": (total / GIB <= usable) if usable else None, "notes": notes,
+  }
+  if lower:
+    if compile and mesh_kind != "devices":
+      raise ValueError(f"--compile needs the mesh's {n} devices, this process has "
+                       f"{len(jax.devices())} (the CLI asks XLA for them)")
+    result["lowered_layers"] = min(L, c.plan.lower_layers or L)
+    result["lowered"] = _lower_programs(c, mcfg, mesh, shards, result["lowered_layers"], compile)
+  if result["fits"] is False:
+    raise PlanDoesNotFit(_no_fit_message(result, rows, c), result)
+  return result
+
+
+HINTS = {
+    "params": "a larger mesh.fsdp or mesh.model (params are sharded over both)",
+    "trainable": "lora.rank>0 (LoRA trains a fraction of the params), a larger mesh.fsdp",
+    "optimizer": "lora.rank>0, a larger mesh.fsdp (AdamW state follows the params' shards)",
+    "gradients": "lora.rank>0, a larger mesh.fsdp",
+    "drafter": "tlt.spot_training=False or tlt.enabled=False (the drafter is replicated)",
+    "drafter data": "a smaller tlt.window_steps or rollout.max_new_tokens",
+    "kv cache": "a smaller largest rollout.buckets entry (fewer slots at once), a smaller "
+                "rollout.max_new_tokens, mesh.model dividing model.num_kv_heads",
+    "decode activations": "a smaller largest rollout.buckets entry (the prefill of a whole bucket "
+                          "holds f32 logits over every prompt position), a smaller max_prompt_len",
+    "drafter step": "smaller tlt.rows or tlt.row_len",
+    "train activations": "a smaller rl.chunk_rows (down to data x fsdp), a larger mesh.model, a "
+                         "smaller rollout.max_new_tokens, per-layer remat in the trainer",
+}
+
+
+def _no_fit_message(result: dict, rows: list[Row], c) -> str:
+  peak = rows[-1].phase
+  parts = sorted((x for x in rows[:-1] if x.phase in ("always", peak)),
+                 key=lambda x: -x.device_bytes)[:2]
+  largest = "; ".join(f"{x.name} {x.device_bytes / GIB:.1f} GiB"
+                      + (f" ({x.note})" if x.note else "") for x in parts)
+  hints = "; ".join(dict.fromkeys(HINTS[x.name] for x in parts if x.name in HINTS))
+  mesh = " x ".join(f"{k}={v}" for k, v in result["mesh"].items())
+  return (f"{result['name']}: per-device total {result['total_device_gib']:.1f} GiB > "
+          f"{result['usable_gib']:.1f} GiB usable ({c.plan.device_memory_gib:g} GiB x "
+          f"{c.plan.headroom:g}) on mesh {mesh}; largest: {largest} - try {hints}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Output and CLI
+
+
+def format_table(result: dict) -> str:
+  m = result["model"]
+  lines = [f"{result['name']}: {result['devices']} devices, mesh "
+           + " x ".join(f"{k}={v}" for k, v in result["mesh"].items())
+           + f" ({result['mesh_kind']}); {m['arch']} {m['layers']} layers, "
+           f"{m['params'] / 1e9:.2f}B params {m['dtype']}, {m['trainable'] / 1e6:.1f}M trainable",
+           f"{'component':<19} {'phase':<8} {'global GiB':>11} {'per-device GiB':>15}  "
+           "sharding / what"]
+  for x in result["rows"]:
+    if x["name"] == "total":
+      lines.append("-" * 72)
+    what = "; ".join(s for s in (x["sharding"], x["note"]) if s)
+    lines.append(f"{x['name']:<19} {x['phase']:<8} {_gib(x['global_gib']):>11} "
+                 f"{_gib(x['device_gib']):>15}  {what}")
+  if result["usable_gib"]:
+    spare = result["usable_gib"] - result["total_device_gib"]
+    lines.append(f"usable: {result['device_memory_gib']:g} GiB x {result['headroom']:g} = "
+                 f"{result['usable_gib']:.1f} GiB per device -> "
+                 + (f"fits ({spare:.1f} GiB spare)" if result["fits"] else
+                    f"DOES NOT FIT ({-spare:.1f} GiB over)"))
+  else:
+    lines.append("no fit check (plan.device_memory_gib=0)")
+  if result.get("lowered"):
+    lines.append(f"lowered on the mesh ({result['lowered_layers']} of {m['layers']} layers; "
+                 "layers are identical):")
+    for p in result["lowered"]:
+      extra = (f", compiled {p['compile_s']}s: XLA temp {p['temp']:.2f} GiB, arguments "
+               f"{p['argument']:.2f} GiB per device (this host's backend)" if "temp" in p else "")
+      lines.append(f"  {p['program']:<17} {p['lower_s']:>6.2f}s  {p['what']}{extra}")
+  return "\n".join(lines + [f"note: {x}" for x in result["notes"]])
+
+
+def main(argv) -> None:
+  from absl import flags  # noqa: PLC0415
+
+  if len(argv) > 1:
+    raise SystemExit(f"unexpected arguments {argv[1:]}")
+  FLAGS = flags.FLAGS
+  path = FLAGS["config"].config_filename
+  name = os.path.splitext(os.path.basename(path.split(":")[0]))[0] + (
+      f":{path.split(':', 1)[1]}" if ":" in path else "")
+  message = ""
+  try:
+    result = plan(FLAGS.config, name=name, lower=not FLAGS.no_lower, compile=FLAGS.compile)
+  except PlanDoesNotFit as e:
+    result, message = e.plan, str(e)
+  except ValueError as e:  # a config or mesh that cannot be planned at all
+    print(f"plan: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  print(format_table(result))
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(result, f, indent=2, default=float)
+  if message:
+    print(f"plan: {message}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+def _start() -> None:
+  """Parses the config, asks XLA for its device count, then lets JAX start."""
+  from absl import app, flags  # noqa: PLC0415
+  from jax._src import xla_bridge  # noqa: PLC0415
+  from ml_collections import config_flags  # noqa: PLC0415
+
+  from tlt_jax import determinism  # noqa: PLC0415
+
+  default = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "experiments", "configs", "tiny_arith.py")
+  config_flags.DEFINE_config_file("config", default, "experiment config file[:variant]",
+                                  lock_config=True)
+  flags.DEFINE_string("json", "", "also write the plan as JSON here")
+  flags.DEFINE_bool("compile", False, "also compile the lowered programs (slow) and report "
+                    "XLA's memory_analysis()")
+  flags.DEFINE_bool("no_lower", False, "the memory table only")
+
+  def run(argv):
+    c = flags.FLAGS.config
+    if not xla_bridge.backends_are_initialized():
+      if not os.environ.get("JAX_PLATFORMS"):
+        # CPU only: planning needs no accelerator and must not take one's memory (JAX would
+        # preallocate it); the env var is read at `import jax`, too late here, the config is not.
+        jax.config.update("jax_platforms", "cpu")
+      n = requested_devices(c)
+      if n:
+        force_host_devices(n)  # read when JAX creates its CPU backend
+    determinism.configure(c.numerics, c.xla_determinism)
+    main(argv)
+  app.run(run)
+
+
+if __name__ == "__main__":
+  _start()
