@@ -57,7 +57,8 @@ def run_variant(name: str, c) -> dict:
   summary = train.run(c, name)
   rows = [r for r in metrics.read_jsonl(os.path.join(c.workdir, "metrics.jsonl"))
           if "reward_mean" in r]
-  keep = ("step_s", "rollout_s", "train_s", "reward_wait_s", "accept_len", "drafter_steps",
+  keep = ("step_s", "rollout_s", "train_s", "reward_wait_s", "accept_len", "sd_chunk_fraction",
+          "drafter_steps",
           "drafter_version", "drafter_loss", "drafter_top1_agreement", "idle_device_s",
           "reward_mean", "response_len_max")
   return {
@@ -78,7 +79,7 @@ def main() -> None:
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--steps", type=int, default=0)
   args = parser.parse_args()
-  steps = args.steps or (2 if args.quick else 6)
+  steps = args.steps or (2 if args.quick else 10)
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
     warm_cfg = base_config(steps, os.path.join(tmp, "warmup"))
@@ -105,6 +106,13 @@ def main() -> None:
       "speedup_end_to_end": base["step_s_total"] / tlt["step_s_total"],
       "speedup_static_end_to_end": base["step_s_total"] / variants["static_drafter"]["step_s_total"],
       "speedup_rollout": base["rollout_s_total"] / tlt["rollout_s_total"],
+      # Amdahl: the baseline's share of step time spent in rollout, and the end-to-end speedup
+      # even an infinitely fast rollout could give with this trainer on this machine.
+      "rollout_share_baseline": base["rollout_s_total"] / base["step_s_total"],
+      "speedup_bound_if_rollout_were_free": base["step_s_total"] / (
+          base["step_s_total"] - base["rollout_s_total"]),
+      "accept_len_by_step": {name: [r["accept_len"] for r in v["per_step"]]
+                             for name, v in variants.items()},
       "seconds": time.perf_counter() - start,
   }
   os.makedirs(RESULTS_DIR, exist_ok=True)

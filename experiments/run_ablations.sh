@@ -16,7 +16,8 @@ python -m experiments.sweep --config $CONFIG --out $OUT/lora_rank \
 
 # Speculative decoding: off / a warmed-up drafter never updated / the drafter trained on idle
 # devices (TLT), and TLT with the tuner off (always chain4). Two rollout groups, so a finished
-# group's devices can be lent to the drafter.
+# group's devices can be lent to the drafter (`python -m tlt_jax.train` asks XLA for one CPU
+# device per group).
 DRAFTER=runs/ablation_drafter
 if [ ! -f $DRAFTER/drafter.safetensors ]; then
   python -m tlt_jax.tlt.warmup --config $CONFIG --rollouts 6 --steps 400 --out $DRAFTER

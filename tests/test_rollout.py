@@ -215,6 +215,17 @@ def test_tuner_picks_off_when_sd_is_slower_and_the_best_arm_otherwise():
   assert restored.best(1) == "chain4" and restored.choose(64).name == OFF
 
 
+def test_tuner_reward_is_per_live_row():
+  """An arm tried while the bucket was full must not beat a faster arm tried while it drained."""
+  arms = default_arms((2,))
+  tuner = Tuner(arms, (8,), epsilon=0.0, window=8)
+  tuner.update(8, tuner.arms[OFF], tokens=64, seconds=1.0, live=8)      # 8 tokens/row/s
+  tuner.update(8, tuner.arms["chain2"], tokens=24, seconds=1.0, live=2)  # 12 tokens/row/s
+  assert tuner.best(8) == "chain2"
+  with pytest.raises(ValueError, match="drafter_numerics"):
+    EngineConfig(drafter_numerics="bf16")
+
+
 def test_bad_input_fails_before_any_compile():
   target, draft = _models()
   engine = RolloutEngine(target, CFG, draft)

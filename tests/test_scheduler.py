@@ -94,6 +94,7 @@ def test_drafter_trains_only_on_devices_of_finished_groups():
   for busy, live in zip(report.drafter_busy_devices, report.live_devices_at_step):
     assert busy == group0 and live == group1 and not busy & live
   assert report.idle_device_s > 0 and np.isfinite(report.drafter_metrics["loss"])
+  assert not spot.in_flight()  # the barrier waited for the one step that could be in flight
 
 
 def test_stopping_at_the_barrier_loses_no_state():

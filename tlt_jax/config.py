@@ -47,6 +47,9 @@ def default_config() -> ml_collections.ConfigDict:
       fixed_arm="",  # "" = the tuner chooses per bucket; "chain4" = always that arm (tuner off)
       drafter_init="",  # a drafter from `python -m tlt_jax.tlt.warmup` ("" = random)
       spot_training=True,  # train the drafter on idle devices during the tail
+      # the drafter only proposes (verification keeps the target's tokens): "xla" runs it on
+      # XLA's fast kernels, "policy" under the run's own numerics
+      drafter_numerics="xla",
       window_steps=2, drafter_lr=3e-3, rows=8, row_len=256,
       max_steps_per_rollout=0,  # 0 = as many as the idle time allows
       min_live_share=0.0,  # also lend a group still decoding below this share of live slots
@@ -112,6 +115,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     problems.append("data.source='files' needs data.eval_path (and data.train_path to train)")
   if c.data.on_error not in ("raise", "skip"):
     problems.append(f"data.on_error={c.data.on_error!r} must be 'raise' or 'skip'")
+  if c.tlt.drafter_numerics not in ("xla", "policy"):
+    problems.append(f"tlt.drafter_numerics={c.tlt.drafter_numerics!r} must be 'xla' or 'policy'")
   if sum(v == -1 for v in (c.mesh.data, c.mesh.fsdp, c.mesh.model)) > 1:
     problems.append("at most one of mesh.data / mesh.fsdp / mesh.model may be -1")
   p = c.plan

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 
 from jax._src import xla_bridge
 
@@ -68,3 +69,16 @@ def check_cpu_flags() -> None:
         f"numerics='batch_invariant' on CPU needs XLA_FLAGS {' '.join(missing)} (no FMA "
         "contraction) set before JAX starts: call tlt_jax.determinism.configure('batch_invariant') "
         "first, or export XLA_FLAGS.")
+
+
+HOST_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+
+
+def force_host_devices(n: int) -> None:
+  """Asks XLA for n CPU devices (read when JAX creates its CPU backend; GPUs/TPUs unaffected)."""
+  flags = re.sub(HOST_DEVICE_COUNT + r"=\S+", "", os.environ.get("XLA_FLAGS", ""))
+  os.environ["XLA_FLAGS"] = f"{flags} {HOST_DEVICE_COUNT}={n}".strip()
+
+
+def host_devices_requested() -> bool:
+  return HOST_DEVICE_COUNT in os.environ.get("XLA_FLAGS", "")

@@ -127,7 +127,7 @@ def engine_config(c, eos_ids, arms):
       buckets=tuple(r.buckets), max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
       chunk_steps=r.chunk_steps, eos_ids=eos_ids, verification=r.verification,
       sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
-      compaction=r.compaction, seed=c.seed, arms=arms)
+      compaction=r.compaction, seed=c.seed, arms=arms, drafter_numerics=c.tlt.drafter_numerics)
 
 
 def build_rollout(c, model, eos_ids, drafter=None):
@@ -459,6 +459,10 @@ def main(argv) -> None:
   path = flags.FLAGS["config"].config_filename
   base = os.path.splitext(os.path.basename(path.split(":")[0]))[0]
   variant = path.split(":", 1)[1] if ":" in path else ""
+  groups = flags.FLAGS.config.rollout.groups
+  if groups > 1 and not determinism.host_devices_requested():
+    # On a CPU-only machine JAX sees one device; give each rollout group one (before JAX starts).
+    determinism.force_host_devices(groups)
   summary = run(flags.FLAGS.config, name=f"{base}-{variant}" if variant else base)
   print(json.dumps({k: v for k, v in summary.items() if k not in ("eval_before", "eval_after")},
                    indent=2))

@@ -41,6 +41,7 @@ from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.tuner import OFF, Arm, Tuner, default_arms
 
 VERIFICATION_MODES = ("gumbel", "rejection")
+DRAFTER_NUMERICS = ("xla", "policy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +61,17 @@ class EngineConfig:
   # compiling it ("" = off).
   compilation_cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "tlt-jax", "xla")
   seed: int = 0
+  # The drafter only proposes: gumbel verification emits the target's own samples, and
+  # rejection sampling is exact in distribution for any proposal. So it may run on XLA's fast
+  # kernels whatever the target's numerics ("policy" = the target's own mode).
+  drafter_numerics: str = "xla"
 
   def __post_init__(self):
     if self.verification not in VERIFICATION_MODES:
       raise ValueError(f"verification must be one of {VERIFICATION_MODES}")
+    if self.drafter_numerics not in DRAFTER_NUMERICS:
+      raise ValueError(f"drafter_numerics must be one of {DRAFTER_NUMERICS}, "
+                       f"got {self.drafter_numerics!r}")
     if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
       raise ValueError(f"buckets must be increasing positive sizes, got {self.buckets}")
     if self.max_prompt_len < 1 or self.max_new_tokens < 1 or self.chunk_steps < 1:
@@ -451,6 +459,20 @@ def _empty(shape: Slots) -> Slots:
   return s._replace(done=jnp.ones(s.done.shape, bool))
 
 
+class _TracedUnderXla:
+  """The drafter with every call traced under XLA numerics (see EngineConfig.drafter_numerics)."""
+
+  def __init__(self, drafter: Drafter):
+    self.drafter = drafter
+
+  def __call__(self, *args, **kw):
+    with ops.numerics_mode("xla"):
+      return self.drafter(*args, **kw)
+
+  def init_cache(self, batch: int, num_slots: int) -> KVCache:
+    return self.drafter.init_cache(batch, num_slots)
+
+
 # ---------------------------------------------------------------------------------------------
 # Program pool
 
@@ -492,6 +514,8 @@ class ProgramPool:
   def _models(self, params, draft_params):
     target = nnx.merge(self.graphdef, params)
     drafter = nnx.merge(self.draft_graphdef, draft_params) if self.draft_graphdef else None
+    if drafter is not None and self.cfg.drafter_numerics == "xla":
+      drafter = _TracedUnderXla(drafter)
     return target, drafter
 
   def _build(self, key):
@@ -695,7 +719,7 @@ class RolloutEngine:
       dt = time.perf_counter() - t0
       emitted, rounds = int(emitted), int(rounds)
       self.target_tokens_processed += bucket * rounds * chosen.verify_tokens
-      self.tuner.update(bucket, chosen, emitted, dt)
+      self.tuner.update(bucket, chosen, emitted, dt, live)
       self.trace.append(ChunkTrace(t0 - t_start, dt, bucket, live, chosen.name, emitted, rounds))
       chunks += 1
       if cfg.stop_strings:

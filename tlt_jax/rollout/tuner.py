@@ -1,6 +1,8 @@
 """Per-bucket strategy tuner: epsilon-greedy on the median reward of each arm over a window.
 
-Reward = tokens emitted per second of a decode chunk. Each batch bucket has its own bandit over
+Reward = tokens emitted per live row per second of a decode chunk. A chunk costs the same
+whatever share of its bucket is live (the shapes are fixed), so dividing by the live rows lets
+arms tried while a bucket was full and while it was draining compare fairly. Each batch bucket has its own bandit over
 the arms allowed there (speculative arms whose verify tokens x bucket exceed the memory bound
 are not offered), plus `off` (plain decode). Unseen arms are tried first. The state is plain
 data (`state_dict` / `load_state_dict`) so it is checkpointed with the run.
@@ -96,9 +98,9 @@ class Tuner:
     medians = {a: float(np.median(r)) for a, r in self.rewards[bucket].items() if r}
     return max(medians, key=medians.get) if medians else OFF
 
-  def update(self, bucket: int, arm: Arm, tokens: int, seconds: float) -> None:
-    if seconds > 0:
-      self.rewards[bucket][arm.name].append(tokens / seconds)
+  def update(self, bucket: int, arm: Arm, tokens: int, seconds: float, live: int = 1) -> None:
+    if seconds > 0 and live > 0:
+      self.rewards[bucket][arm.name].append(tokens / (live * seconds))
 
   def state_dict(self) -> dict:
     return {"rewards": {str(b): {a: list(r) for a, r in arms.items()}

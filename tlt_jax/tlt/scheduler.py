@@ -130,6 +130,12 @@ class SpotTrainer:
     self.step_devices.append(frozenset(jax.tree.leaves(self.params)[0].sharding.device_set))
     self.steps_done += 1
 
+  def in_flight(self) -> bool:
+    """Whether the last dispatched step is still running. The loop dispatches a new step only
+    when it is not, so steps never queue up behind each other: at the barrier at most one step
+    is left to wait for."""
+    return any(not leaf.is_ready() for leaf in jax.tree.leaves(self.params))
+
   def wait(self) -> dict[str, float]:
     """Blocks until the step in flight is done; its metrics."""
     if self.last_metrics is None:
@@ -236,7 +242,7 @@ class GroupedRollout:
       if spot is not None and spot.has_data and runs and (not max_steps or
                                                            report.drafter_steps < max_steps):
         idle = [g for g in range(G) if g not in runs or live_share[g] < min_live_share]
-        if idle:
+        if idle and not spot.in_flight():
           if lent is None:  # the first group to finish hosts the drafter until the barrier
             lent = idle[0]
             spot.lend(self.device_groups[lent])
