@@ -318,6 +318,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
 
     if spot is not None:
       spot.refresh_data(trainer.policy())  # the window so far, features of the current policy
+      spot.warm_up(engine.device_groups)  # once: no drafter compile inside the tail
     t0 = time.perf_counter()
     rollout_seed = derived_seed(c.seed, PURPOSE_ROLLOUT, step, *([pid] if multi else []))
     samples = engine.generate(prompts, group_size=G, seed=rollout_seed,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +79,7 @@ class SpotTrainer:
     self.last_metrics: dict | None = None
     self._batches: list[PackedBatch] = []
     self._step = jax.jit(self._step_fn, donate_argnums=(0, 1))
+    self._compiled: dict[tuple[jax.Device, ...], Any] = {}  # the step, built per device group
 
   def _step_fn(self, params, opt_state, target_params, batch: PackedBatch):
     target = nnx.merge(self.target_graphdef, target_params)
@@ -94,6 +95,7 @@ class SpotTrainer:
     whose features the drafter learns; returns the number of packed batches."""
     if target is not None:
       self.target_graphdef, self.target_params = nnx.split(target)
+      self.devices = None  # the next lend moves the new target's weights too
     self._batches = self.buffer.batches(self.cfg.rows, self.cfg.row_len,
                                         seed=self.cfg.seed) if len(self.buffer) else []
     return len(self._batches)
@@ -101,6 +103,27 @@ class SpotTrainer:
   @property
   def has_data(self) -> bool:
     return bool(self._batches)
+
+  def warm_up(self, device_groups: Sequence[Sequence[jax.Device]]) -> int:
+    """Compiles the step for every group it may be lent, before the rollout: a compile inside
+    the tail would hold the barrier for seconds. Needs data (the batch shape); returns how many
+    programs were built."""
+    if not self._batches:
+      return 0
+    built = 0
+    for devices in map(tuple, device_groups):
+      if devices in self._compiled:
+        continue
+      spec = lambda tree, sharding: jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding), tree)
+      replicated = group_sharding(devices)
+      batch = group_sharding(devices, batch=self.cfg.rows % len(devices) == 0)
+      with ops.numerics_mode("xla"):
+        self._compiled[devices] = self._step.lower(
+            spec(self.params, replicated), spec(self.opt_state, replicated),
+            spec(self.target_params, replicated), spec(self._batches[0], batch)).compile()
+      built += 1
+    return built
 
   def lend(self, devices: Sequence[jax.Device]) -> None:
     """Moves parameters, optimizer state and the target's weights onto `devices`."""
@@ -123,9 +146,10 @@ class SpotTrainer:
     batch = jax.device_put(host, group_sharding(self.devices, batch=split))
     # The drafter's training numerics never reach the policy's tokens (gumbel verification
     # emits the target's own samples), so it trains on XLA's fast kernels whatever the run's
-    # numerics; the engines still draft with it under theirs.
+    # numerics, as the engines draft with it by default (`tlt.drafter_numerics`).
+    step = self._compiled.get(self.devices, self._step)
     with ops.numerics_mode("xla"):
-      self.params, self.opt_state, self.last_metrics = self._step(
+      self.params, self.opt_state, self.last_metrics = step(
           self.params, self.opt_state, self.target_params, batch)
     self.step_devices.append(frozenset(jax.tree.leaves(self.params)[0].sharding.device_set))
     self.steps_done += 1
