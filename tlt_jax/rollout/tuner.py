@@ -4,8 +4,9 @@ Reward = tokens emitted per live row per second of a decode chunk. A chunk costs
 whatever share of its bucket is live (the shapes are fixed), so dividing by the live rows lets
 arms tried while a bucket was full and while it was draining compare fairly. Each batch bucket
 has its own bandit over the arms allowed there (speculative arms whose verify tokens x bucket
-exceed the memory bound are not offered), plus `off` (plain decode). Unseen arms are tried first. The state is plain
-data (`state_dict` / `load_state_dict`) so it is checkpointed with the run.
+exceed the memory bound are not offered), plus `off` (plain decode). Unseen arms are tried
+first. The state is plain data (`state_dict` / `load_state_dict`) so it is checkpointed with the
+run.
 """
 
 from __future__ import annotations
