@@ -58,9 +58,8 @@ def run_variant(name: str, c) -> dict:
   rows = [r for r in metrics.read_jsonl(os.path.join(c.workdir, "metrics.jsonl"))
           if "reward_mean" in r]
   keep = ("step_s", "rollout_s", "train_s", "reward_wait_s", "accept_len", "sd_chunk_fraction",
-          "drafter_steps",
-          "drafter_version", "drafter_loss", "drafter_top1_agreement", "idle_device_s",
-          "reward_mean", "response_len_max")
+          "drafter_steps", "drafter_version", "drafter_loss", "drafter_top1_agreement",
+          "idle_device_s", "reward_mean", "response_len_max")
   return {
       "per_step": [{k: r.get(k) for k in keep} for r in rows],
       "step_s_total": float(sum(r["step_s"] for r in rows)),

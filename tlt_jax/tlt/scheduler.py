@@ -110,12 +110,12 @@ class SpotTrainer:
     programs were built."""
     if not self._batches:
       return 0
+    spec = lambda tree, sharding: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding), tree)
     built = 0
     for devices in map(tuple, device_groups):
       if devices in self._compiled:
         continue
-      spec = lambda tree, sharding: jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding), tree)
       replicated = group_sharding(devices)
       batch = group_sharding(devices, batch=self.cfg.rows % len(devices) == 0)
       with ops.numerics_mode("xla"):
