@@ -82,7 +82,9 @@ def main() -> None:
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
     warm_cfg = base_config(steps, os.path.join(tmp, "warmup"))
-    warm = warmup(warm_cfg, rollouts=2 if args.quick else 6, steps=60 if args.quick else 400,
+    # 24 batches (768 samples): with 6 the drafter memorized its data (top-1 agreement 0.98 on
+    # it, 0.76 on fresh rollouts); 1500 steps is about 4 epochs of it.
+    warm = warmup(warm_cfg, rollouts=2 if args.quick else 24, steps=60 if args.quick else 1500,
                   out=os.path.join(tmp, "drafter"))
     variants = {}
     for name, tlt, spot in (("baseline", False, False), ("static_drafter", True, False),

@@ -14,7 +14,8 @@ from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import ModelConfig, Transformer
 from tlt_jax.rollout.engine import Sample
 from tlt_jax.tlt import buffer as buf_lib
-from tlt_jax.tlt.drafter_trainer import eagle_loss
+from tlt_jax.tlt import packed_loss
+from tlt_jax.tlt.drafter_trainer import DrafterLossConfig, eagle_loss
 
 CFG = ModelConfig(arch="qwen3", vocab_size=32, hidden_size=32, intermediate_size=64,
                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True,
@@ -116,7 +117,7 @@ def test_add_rejects_malformed_samples():
 
 def test_attention_mask_is_block_diagonal_causal():
   seg = np.array([[1, 1, 2, 2, 2, 0], [3, 3, 3, 3, 3, 3]], np.int32)
-  m = np.asarray(buf_lib.attention_mask_BxTxT(seg))
+  m = np.asarray(packed_loss.attention_mask_BxTxT(seg))
   want0 = np.zeros((6, 6), bool)
   want0[0, 0] = want0[1, :2] = True
   want0[2, 2] = want0[3, 2:4] = want0[4, 2:5] = True
@@ -204,7 +205,7 @@ def test_single_document_packed_loss_equals_eagle_loss(models):
   b = buf_lib.DrafterBuffer(window_steps=1)
   b.add(0, [s])
   pb = buf_lib.pack(b.examples(), rows=1, row_len=16)  # the document plus 4 padding tokens
-  _, got = buf_lib.eagle_loss_packed(drafter, target, pb)
+  _, got = packed_loss.eagle_loss_packed(drafter, target, pb)
   # eagle_loss on the document alone, with what the buffer knows: h_t for P-1 <= t <= L-2
   # (it shifts them into h_{t-1} itself), loss on P <= t <= L-2.
   P, L = 4, 12
@@ -228,9 +229,9 @@ def test_packed_documents_do_not_see_each_other(models):
   both = buf_lib.pack(exs, rows=1, row_len=16)
   np.testing.assert_array_equal(both.segment_ids_BxT[0], [1] * 9 + [2] * 7)
   np.testing.assert_array_equal(both.positions_BxT[0], list(range(9)) + list(range(7)))
-  terms = buf_lib.eagle_terms_packed(drafter, target, both)
+  terms = packed_loss.eagle_terms_packed(drafter, target, both)
   for i, cols in ((0, slice(0, 9)), (1, slice(9, 16))):
-    alone = buf_lib.eagle_terms_packed(drafter, target, buf_lib.pack([exs[i]], 1, 16))
+    alone = packed_loss.eagle_terms_packed(drafter, target, buf_lib.pack([exs[i]], 1, 16))
     n = cols.stop - cols.start
     for k in ("feature_loss", "ce_loss", "feature"):
       np.testing.assert_allclose(np.asarray(terms[k])[0, cols], np.asarray(alone[k])[0, :n],
@@ -238,10 +239,58 @@ def test_packed_documents_do_not_see_each_other(models):
   # Change document A's tokens: B's drafter outputs stay put, A's move.
   tokens = both.tokens_BxT.copy()
   tokens[0, :9] = (tokens[0, :9] + 5) % CFG.vocab_size
-  moved = buf_lib.eagle_terms_packed(drafter, target, both._replace(tokens_BxT=tokens))
+  moved = packed_loss.eagle_terms_packed(drafter, target, both._replace(tokens_BxT=tokens))
   for k in ("logits", "feature"):
     np.testing.assert_array_equal(np.asarray(moved[k])[0, 9:], np.asarray(terms[k])[0, 9:])
     assert not np.allclose(np.asarray(moved[k])[0, :9], np.asarray(terms[k])[0, :9])
+
+
+def _draft_incrementally(drafter, target, seq: np.ndarray, features_in: np.ndarray,
+                         depth: int, t: int) -> np.ndarray:
+  """The drafter's feature at position t drafted at `depth`, as the engine drafts: a cache
+  filled teacher-forced (target features), then depth - 1 one-token steps, each reading the
+  feature the step before predicted."""
+  L = len(seq)
+  tokens = jnp.asarray(seq[None])
+  zeros = jnp.zeros((1,), jnp.int32)
+  _, feature, cache = drafter(target, tokens, jnp.asarray(features_in[None]),
+                              drafter.init_cache(1, L), zeros)
+  feat = feature[:, t - depth + 1]
+  for pos in range(t - depth + 2, t + 1):
+    _, out, cache = drafter(target, tokens[:, pos:pos + 1], feat[:, None], cache, zeros + pos)
+    feat = out[:, 0]
+  return np.asarray(feat[0])
+
+
+def test_unrolled_passes_equal_incremental_drafting(models):
+  """Depth j of the training-time test at position t is what the drafter computes when it
+  drafts t at depth j (its own features fed back, its cache as decoding leaves it), for every
+  loss position of each of two packed documents; depth 1 is the plain packed loss."""
+  target, drafter = models
+  (sa, seq_a, h_a), (sb, seq_b, h_b) = _sample(target, 3, 3, 8), _sample(target, 4, 2, 7)
+  b = buf_lib.DrafterBuffer(window_steps=1)
+  b.add(0, [sa, sb])
+  batch = buf_lib.pack(b.examples(), rows=1, row_len=20)
+  passes = packed_loss.unrolled_terms_packed(drafter, target, batch, unroll=3)
+  plain = packed_loss.eagle_terms_packed(drafter, target, batch)
+  np.testing.assert_allclose(np.asarray(passes[0][0]["feature"]), np.asarray(plain["feature"]),
+                             rtol=1e-5, atol=1e-5)
+  for col0, (seq, h, P) in ((0, (seq_a, h_a, 3)), (11, (seq_b, h_b, 2))):
+    L = len(seq)
+    features_in = np.zeros_like(h)
+    features_in[P:] = h[P - 1:L - 1]  # what the buffer knows: zeros over the prompt
+    for depth, (terms, valid) in enumerate(passes, start=1):
+      got_valid = np.nonzero(np.asarray(valid)[0, col0:col0 + L])[0].tolist()
+      assert got_valid == list(range(P + depth - 1, L - 1)), (depth, got_valid)
+      for t in got_valid:
+        want = _draft_incrementally(drafter, target, seq, features_in, depth, t)
+        np.testing.assert_allclose(np.asarray(terms["feature"])[0, col0 + t], want,
+                                   rtol=1e-5, atol=1e-5, err_msg=f"depth {depth} t {t}")
+  loss1, m1 = packed_loss.eagle_loss_packed(drafter, target, batch)
+  loss3, m3 = packed_loss.eagle_loss_packed(drafter, target, batch, DrafterLossConfig(unroll=3))
+  assert float(m3["top1_agreement"]) == float(m1["top1_agreement"])
+  assert {"top1_agreement_depth2", "top1_agreement_depth3"} <= set(m3)
+  assert float(loss3) != float(loss1)
 
 
 # -- spill / load ---------------------------------------------------------------------------------

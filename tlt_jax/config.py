@@ -51,6 +51,9 @@ def default_config() -> ml_collections.ConfigDict:
       # XLA's fast kernels, "policy" under the run's own numerics
       drafter_numerics="xla",
       window_steps=2, drafter_lr=3e-3, rows=8, row_len=256,
+      # draft depths trained per drafter step: 1 = teacher forcing (EAGLE-1); k > 1 also feeds
+      # the drafter's own features back for depths 2..k (EAGLE-3's training-time test)
+      drafter_unroll=1,
       max_steps_per_rollout=0,  # 0 = as many as the idle time allows
       min_live_share=0.0,  # also lend a group still decoding below this share of live slots
       spill_buffer=True))  # keep the drafter's data window on disk with the checkpoints
@@ -117,6 +120,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     problems.append(f"data.on_error={c.data.on_error!r} must be 'raise' or 'skip'")
   if c.tlt.drafter_numerics not in ("xla", "policy"):
     problems.append(f"tlt.drafter_numerics={c.tlt.drafter_numerics!r} must be 'xla' or 'policy'")
+  if c.tlt.drafter_unroll < 1:
+    problems.append(f"tlt.drafter_unroll={c.tlt.drafter_unroll} must be >= 1 (draft depths)")
   if sum(v == -1 for v in (c.mesh.data, c.mesh.fsdp, c.mesh.model)) > 1:
     problems.append("at most one of mesh.data / mesh.fsdp / mesh.model may be -1")
   p = c.plan

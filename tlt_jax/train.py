@@ -130,6 +130,17 @@ def engine_config(c, eos_ids, arms):
       compaction=r.compaction, seed=c.seed, arms=arms, drafter_numerics=c.tlt.drafter_numerics)
 
 
+def spot_config(c):
+  """The drafter trainer's settings (online during RL and in the offline warm-up)."""
+  from tlt_jax.tlt.drafter_trainer import DrafterLossConfig  # noqa: PLC0415
+  from tlt_jax.tlt.scheduler import SpotConfig  # noqa: PLC0415
+
+  t = c.tlt
+  return SpotConfig(lr=t.drafter_lr, rows=t.rows, row_len=t.row_len,
+                    max_steps_per_rollout=t.max_steps_per_rollout,
+                    loss=DrafterLossConfig(unroll=t.drafter_unroll), seed=c.seed)
+
+
 def build_rollout(c, model, eos_ids, drafter=None):
   """The rollout engines of the config: `rollout.groups` data-parallel groups over the local
   devices, with the tuner's SD arms when TLT is on (plain decode otherwise)."""
@@ -179,7 +190,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   from tlt_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
   from tlt_jax.tlt.buffer import DrafterBuffer  # noqa: PLC0415
   from tlt_jax.tlt.drafter_trainer import load_drafter  # noqa: PLC0415
-  from tlt_jax.tlt.scheduler import SpotConfig, SpotTrainer  # noqa: PLC0415
+  from tlt_jax.tlt.scheduler import SpotTrainer  # noqa: PLC0415
 
   t_start = time.perf_counter()
   # Several processes (config.distributed): each decodes its share of the prompts, the rollouts
@@ -218,9 +229,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   buffer = DrafterBuffer(t.window_steps) if t.enabled else None
   spot = None
   if t.enabled and t.spot_training:
-    spot = SpotTrainer(drafter, model, buffer, SpotConfig(
-        lr=t.drafter_lr, rows=t.rows, row_len=t.row_len,
-        max_steps_per_rollout=t.max_steps_per_rollout, seed=c.seed))
+    spot = SpotTrainer(drafter, model, buffer, spot_config(c))
   buffer_dir = os.path.join(workdir, "drafter_buffer", *([f"process_{pid}"] if multi else []))
   rl = c.rl
   trainer = Trainer(model, TrainConfig(

@@ -144,8 +144,11 @@ def _write_rows(buf, rows_B, cols_B, values, valid_B):
 
 
 def _draft_features_for_prompt(hidden_BxTxD):
-  """The drafter at position t reads h_{t-1}; position 0 reads zeros."""
-  return jnp.concatenate([jnp.zeros_like(hidden_BxTxD[:, :1]), hidden_BxTxD[:, :-1]], axis=1)
+  """Zeros: the drafter's prompt entries see the prompt's tokens but not its features, as in
+  training (`tlt.buffer` keeps only the response's hidden states). Feeding the real features
+  here instead shifts every key the drafter attends over the prompt away from what it learned:
+  on the arithmetic policy, chain4's accept length was 2.84 with them and 3.24 without."""
+  return jnp.zeros_like(hidden_BxTxD)
 
 
 def _prefill(target, drafter, cfg: EngineConfig, prompts_BxP, lengths_B, sample_ids_B, max_new_B,

@@ -1,5 +1,6 @@
-"""The drafter's training data: a sliding window of recent rollouts, packing into fixed rows,
-the packed EAGLE loss, and a tensorstore (zarr) spill for offline warm-up and resume.
+"""The drafter's training data: a sliding window of recent rollouts, packing into fixed rows
+(the loss over them: `tlt.packed_loss`), and a tensorstore (zarr) spill for offline warm-up and
+resume.
 
 What one rollout sample gives (`rollout.engine.Sample`): the prompt, the P + N token sequence,
 and `hidden[j]` for j < N, the target's last-layer hidden state (after the final norm) whose
@@ -31,15 +32,10 @@ import os
 from typing import Iterable, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import tensorstore as ts
 
-from tlt_jax.model.drafter import Drafter
-from tlt_jax.model.transformer import Transformer
 from tlt_jax.rollout.engine import Sample
-from tlt_jax.tlt.drafter_trainer import DrafterLossConfig
 
 SPILL_FORMAT = "tlt-jax-drafter-buffer"
 SPILL_VERSION = 1
@@ -275,14 +271,6 @@ class _Piece(NamedTuple):
   stop: int
 
 
-def attention_mask_BxTxT(segment_ids_BxT: jax.Array) -> jax.Array:
-  """Query t sees key s iff both are in one (non-padding) segment and s <= t."""
-  seg = jnp.asarray(segment_ids_BxT)
-  T = seg.shape[1]
-  same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
-  return same & (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None]
-
-
 def _pieces(examples: Sequence[Example], order: Sequence[int], row_len: int) -> list[_Piece]:
   """Windows of `row_len` tokens per document, in `order`; windows without a loss position
   (a prompt longer than a row, a one-token response) would only take room and are left out."""
@@ -369,39 +357,3 @@ def pack(examples: Sequence[Example], rows: int, row_len: int, *,
   """One batch: the first `rows` rows of `pack_all` (first-fit into the first k rows does not
   depend on later rows), i.e. what fits; the rest is left out."""
   return pack_all(examples, rows, row_len, seed=seed)[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# The packed EAGLE loss
-
-
-def eagle_terms_packed(drafter: Drafter, target: Transformer,
-                       batch: PackedBatch) -> dict[str, jax.Array]:
-  """Per-token terms of `drafter_trainer.eagle_loss` over a packed batch ([B, T] each), plus the
-  drafter's logits and features. Attention stays inside each segment; RoPE sees true positions."""
-  B, T = batch.tokens_BxT.shape
-  hidden = jax.lax.stop_gradient(jnp.asarray(batch.target_hidden_BxTxD).astype(jnp.float32))
-  features_in = jax.lax.stop_gradient(jnp.asarray(batch.features_in_BxTxD).astype(jnp.float32))
-  logits, feature, _ = drafter(
-      target, jnp.asarray(batch.tokens_BxT), features_in, drafter.init_cache(B, T),
-      jnp.zeros((B,), jnp.int32), positions_BxT=jnp.asarray(batch.positions_BxT),
-      mask_BxTxS=attention_mask_BxTxT(batch.segment_ids_BxT))
-  target_logp = jax.lax.stop_gradient(jax.nn.log_softmax(target.logits(hidden), axis=-1))
-  draft_logp = jax.nn.log_softmax(logits, axis=-1)
-  return {"feature_loss": optax.huber_loss(feature.astype(jnp.float32), hidden).mean(-1),
-          "ce_loss": -jnp.sum(jnp.exp(target_logp) * draft_logp, axis=-1),
-          "top1_agreement": jnp.argmax(logits, -1) == jnp.argmax(target_logp, -1),
-          "logits": logits, "feature": feature}
-
-
-def eagle_loss_packed(drafter: Drafter, target: Transformer, batch: PackedBatch,
-                      cfg: DrafterLossConfig = DrafterLossConfig()) -> tuple[jax.Array, dict]:
-  """`drafter_trainer.eagle_loss`, term for term, on a packed batch (mean over loss tokens)."""
-  terms = eagle_terms_packed(drafter, target, batch)
-  m = jnp.asarray(batch.loss_mask_BxT).astype(jnp.float32)
-  denom = jnp.maximum(m.sum(), 1.0)
-  feat = jnp.sum(terms["feature_loss"] * m) / denom
-  ce = jnp.sum(terms["ce_loss"] * m) / denom
-  agree = jnp.sum(terms["top1_agreement"] * m) / denom
-  loss = cfg.feature_weight * feat + cfg.ce_weight * ce
-  return loss, {"loss": loss, "feature_loss": feat, "ce_loss": ce, "top1_agreement": agree}

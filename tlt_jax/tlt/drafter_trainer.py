@@ -27,6 +27,10 @@ DRAFTER_FILE = "drafter.safetensors"
 class DrafterLossConfig:
   feature_weight: float = 1.0
   ce_weight: float = 0.1
+  # Draft depths trained per step (`tlt.packed_loss`): 1 = teacher forcing only; k > 1 also
+  # feeds the drafter's own features back, as it drafts, for depths 2..k.
+  unroll: int = 1
+  unroll_decay: float = 0.8  # depth j's loss weight: unroll_decay ** (j - 1)
 
 
 def eagle_loss(drafter: Drafter, target: Transformer, tokens_BxT: jax.Array,

@@ -35,8 +35,9 @@ from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, Sample
 from tlt_jax.rollout.tuner import OFF
-from tlt_jax.tlt.buffer import DrafterBuffer, PackedBatch, eagle_loss_packed
+from tlt_jax.tlt.buffer import DrafterBuffer, PackedBatch
 from tlt_jax.tlt.drafter_trainer import DrafterLossConfig
+from tlt_jax.tlt.packed_loss import eagle_loss_packed
 
 
 def group_sharding(devices: Sequence[jax.Device], batch: bool = False) -> NamedSharding:

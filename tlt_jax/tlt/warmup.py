@@ -11,6 +11,7 @@ buffer it trained on and warmup.json). Start RL from it with `--config.tlt.draft
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -39,7 +40,7 @@ def _warmup(c, rollouts: int, steps: int, out: str, buffer_dir: str) -> dict:
   from tlt_jax.rollout.tuner import OFF, Arm  # noqa: PLC0415
   from tlt_jax.tlt.buffer import DrafterBuffer  # noqa: PLC0415
   from tlt_jax.tlt.drafter_trainer import save_drafter  # noqa: PLC0415
-  from tlt_jax.tlt.scheduler import GroupedRollout, SpotConfig, SpotTrainer  # noqa: PLC0415
+  from tlt_jax.tlt.scheduler import GroupedRollout, SpotTrainer  # noqa: PLC0415
 
   start = time.perf_counter()
   model, _, formatter, eos_ids = train_lib.load_policy(c)
@@ -60,9 +61,8 @@ def _warmup(c, rollouts: int, steps: int, out: str, buffer_dir: str) -> dict:
       bar.update(1)
     bar.close()
     buffer.spill(os.path.join(out, "buffer"))
-  t = c.tlt
   spot = SpotTrainer(Drafter(model.cfg, nnx.Rngs(c.seed + 1)), model, buffer,
-                     SpotConfig(lr=t.drafter_lr, rows=t.rows, row_len=t.row_len, seed=c.seed))
+                     dataclasses.replace(train_lib.spot_config(c), max_steps_per_rollout=0))
   batches = spot.refresh_data()
   spot.lend(device)
   curve = []
