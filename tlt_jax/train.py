@@ -130,14 +130,14 @@ def engine_config(c, eos_ids, arms):
       compaction=r.compaction, seed=c.seed, arms=arms, drafter_numerics=c.tlt.drafter_numerics)
 
 
-def spot_config(c):
-  """The drafter trainer's settings (online during RL and in the offline warm-up)."""
+def spot_config(c, *, online: bool = True):
+  """The drafter trainer's settings: online during RL, or for the offline warm-up."""
   from tlt_jax.tlt.drafter_trainer import DrafterLossConfig  # noqa: PLC0415
   from tlt_jax.tlt.scheduler import SpotConfig  # noqa: PLC0415
 
   t = c.tlt
-  return SpotConfig(lr=t.drafter_lr, rows=t.rows, row_len=t.row_len,
-                    max_steps_per_rollout=t.max_steps_per_rollout,
+  return SpotConfig(lr=t.online_lr if online else t.drafter_lr, rows=t.rows,
+                    row_len=t.row_len, max_steps_per_rollout=t.max_steps_per_rollout,
                     loss=DrafterLossConfig(unroll=t.drafter_unroll), seed=c.seed)
 
 

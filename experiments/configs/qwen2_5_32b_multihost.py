@@ -62,6 +62,7 @@ def get_config(arg: str | None = None):
   t.drafter_init = ""  # e.g. mit-han-lab/Qwen2.5-32B-Eagle-RL converted, or a warm-up drafter
   t.window_steps = 1
   t.drafter_lr, t.rows, t.row_len = 5e-5, 8, 512
+  t.online_lr = 5e-5
   rl = c.rl
   rl.algorithm, rl.steps = "grpo", 200
   # LoRA without regret: ~10x DAPO's 1e-6 full fine-tuning LR for Qwen2.5-32B.

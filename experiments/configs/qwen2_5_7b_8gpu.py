@@ -63,6 +63,7 @@ def get_config(arg: str | None = None):
   t.drafter_init = ""  # a warmed-up drafter (`python -m tlt_jax.tlt.warmup`), "" = random
   t.window_steps = 1  # every sample's hidden states stay on device: 14 GiB per GPU per step
   t.drafter_lr, t.rows, t.row_len = 5e-5, 8, 512  # TLT's EAGLE LR and <= 512-token windows
+  t.online_lr = 5e-5
   rl = c.rl
   rl.algorithm, rl.steps = "grpo", 200
   rl.lr, rl.warmup_steps, rl.max_grad_norm = 1e-5, 10, 1.0

@@ -64,6 +64,7 @@ def get_config(arg: str | None = None):
   t.drafter_init = ""  # e.g. a drafter warmed up on this model's rollouts (`tlt_jax.tlt.warmup`)
   t.window_steps = 1
   t.drafter_lr, t.rows, t.row_len = 5e-5, 8, 512
+  t.online_lr = 5e-5
   rl = c.rl
   rl.algorithm, rl.steps = "grpo", 300
   # LoRA without regret: ~10x the 1e-6 full fine-tuning LR of DeepScaleR / TLT.

@@ -62,7 +62,8 @@ def _warmup(c, rollouts: int, steps: int, out: str, buffer_dir: str) -> dict:
     bar.close()
     buffer.spill(os.path.join(out, "buffer"))
   spot = SpotTrainer(Drafter(model.cfg, nnx.Rngs(c.seed + 1)), model, buffer,
-                     dataclasses.replace(train_lib.spot_config(c), max_steps_per_rollout=0))
+                     dataclasses.replace(train_lib.spot_config(c, online=False),
+                                         max_steps_per_rollout=0))
   batches = spot.refresh_data()
   spot.lend(device)
   curve = []
