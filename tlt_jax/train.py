@@ -249,6 +249,8 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   t0 = time.perf_counter()
   engine.warm_up()
   trainer.warm_up(train_len)
+  if spot is not None:
+    spot.warm_up(engine.device_groups)  # the drafter step too: no compile inside a rollout
   compile_s = time.perf_counter() - t0
 
   def run_eval(step: int) -> dict:
@@ -327,7 +329,6 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
 
     if spot is not None:
       spot.refresh_data(trainer.policy())  # the window so far, features of the current policy
-      spot.warm_up(engine.device_groups)  # once: no drafter compile inside the tail
     t0 = time.perf_counter()
     rollout_seed = derived_seed(c.seed, PURPOSE_ROLLOUT, step, *([pid] if multi else []))
     samples = engine.generate(prompts, group_size=G, seed=rollout_seed,

@@ -71,6 +71,8 @@ class SpotTrainer:
     # Steps donate (update in place) the trainer's own copies, never the caller's arrays.
     self.params = jax.tree.map(jnp.copy, params)
     self.target_graphdef, self.target_params = nnx.split(target)
+    # The rollout's hidden states (the batch's features) come in the target's dtype.
+    self.feature = jax.ShapeDtypeStruct((target.cfg.hidden_size,), target.cfg.jnp_dtype)
     self.tx = optax.adamw(cfg.lr, weight_decay=cfg.weight_decay)
     self.opt_state = self.tx.init(self.params)
     self.version = 0          # bumped by every publish
@@ -105,14 +107,18 @@ class SpotTrainer:
   def has_data(self) -> bool:
     return bool(self._batches)
 
+  def _batch_shape(self) -> PackedBatch:
+    """A packed batch's shapes and dtypes (known from the config before any data is)."""
+    B, T, D = self.cfg.rows, self.cfg.row_len, self.feature.shape[-1]
+    i32 = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    feature = jax.ShapeDtypeStruct((B, T, D), self.feature.dtype)
+    return PackedBatch(i32, feature, feature, jax.ShapeDtypeStruct((B, T), jnp.bool_), i32, i32)
+
   def warm_up(self, device_groups: Sequence[Sequence[jax.Device]]) -> int:
-    """Compiles the step for every group it may be lent, before the rollout: a compile inside
-    the tail would hold the barrier for seconds. Needs data (the batch shape); returns how many
-    programs were built."""
-    if not self._batches:
-      return 0
+    """Compiles the step for every group it may be lent, before the first rollout: a compile
+    inside the tail would hold the barrier for seconds. Returns how many programs were built."""
     spec = lambda tree, sharding: jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding), tree)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
     built = 0
     for devices in map(tuple, device_groups):
       if devices in self._compiled:
@@ -122,7 +128,7 @@ class SpotTrainer:
       with ops.numerics_mode("xla"):
         self._compiled[devices] = self._step.lower(
             spec(self.params, replicated), spec(self.opt_state, replicated),
-            spec(self.target_params, replicated), spec(self._batches[0], batch)).compile()
+            spec(self.target_params, replicated), spec(self._batch_shape(), batch)).compile()
       built += 1
     return built
 
@@ -148,7 +154,9 @@ class SpotTrainer:
     # The drafter's training numerics never reach the policy's tokens (gumbel verification
     # emits the target's own samples), so it trains on XLA's fast kernels whatever the run's
     # numerics, as the engines draft with it by default (`tlt.drafter_numerics`).
-    step = self._compiled.get(self.devices, self._step)
+    shapes_match = all(a.shape == b.shape and a.dtype == b.dtype
+                       for a, b in zip(host, self._batch_shape()))
+    step = self._compiled.get(self.devices, self._step) if shapes_match else self._step
     with ops.numerics_mode("xla"):
       self.params, self.opt_state, self.last_metrics = step(
           self.params, self.opt_state, self.target_params, batch)

@@ -1,7 +1,7 @@
 """Offline drafter warm-up before RL: train the EAGLE drafter on the policy's own rollouts.
 
     python -m tlt_jax.tlt.warmup --config experiments/configs/tiny_arith.py \\
-        [--rollouts 4] [--steps 300] [--buffer DIR] [--out DIR]
+        [--rollouts 24] [--steps 1500] [--buffer DIR] [--out DIR]
 
 Decodes `--rollouts` batches of training prompts with the config's policy (plain decoding; its
 hidden states are kept), or loads a spilled buffer (`--buffer`, e.g. a run's drafter_buffer/),
@@ -50,7 +50,12 @@ def _warmup(c, rollouts: int, steps: int, out: str, buffer_dir: str) -> dict:
   else:
     buffer = DrafterBuffer(window_steps=rollouts)
     train_rows, _, _ = train_lib.load_rows(c)
-    data = iter(prompt_dataset(train_rows, batch_size=c.rollout.prompts_per_step, seed=c.seed))
+    # Its own shuffle of the training prompts: with the run's seed the warm-up would decode
+    # exactly the first batches the RL steps then decode, and a drafter that has seen those
+    # prompts looks better on them than it is.
+    data = iter(prompt_dataset(train_rows, batch_size=c.rollout.prompts_per_step,
+                               seed=int(train_lib.derived_seed(c.seed, train_lib.PURPOSE_WARMUP,
+                                                               -1))))
     engine = GroupedRollout(model, train_lib.engine_config(c, eos_ids, (Arm(OFF),)), [device])
     bar = metrics.progress(total=rollouts, desc="warm-up rollouts", unit="batch")
     for i in range(rollouts):
@@ -103,8 +108,10 @@ if __name__ == "__main__":
 
   config_flags.DEFINE_config_file("config", train_lib.DEFAULT_CONFIG,
                                   "experiment config file[:variant]", lock_config=True)
-  flags.DEFINE_integer("rollouts", 4, "rollout batches of training prompts to learn from")
-  flags.DEFINE_integer("steps", 300, "drafter steps")
+  # On tiny_arith, 6 batches (192 samples) were memorized: top-1 agreement 0.98 on them, 0.76
+  # on fresh rollouts. 24 batches and 1500 steps (about 4 epochs) generalize much better.
+  flags.DEFINE_integer("rollouts", 24, "rollout batches of training prompts to learn from")
+  flags.DEFINE_integer("steps", 1500, "drafter steps")
   flags.DEFINE_string("buffer", "", "train on a spilled buffer instead of new rollouts")
   flags.DEFINE_string("out", "", "output directory (default runs/drafter-warmup)")
   app.run(main)
