@@ -26,7 +26,7 @@ from tlt_jax import determinism
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "experiments", "configs", "tiny_arith.py")
 # Named purposes for host-side seeds: one run seed, never call order.
-PURPOSE_ROLLOUT, PURPOSE_EVAL, PURPOSE_WARMUP = 1, 2, 3
+PURPOSE_ROLLOUT, PURPOSE_EVAL, PURPOSE_WARMUP, PURPOSE_WARMUP_PROMPTS = 1, 2, 3, 4
 
 
 def derived_seed(seed: int, purpose: int, step: int, *more: int) -> np.int32:

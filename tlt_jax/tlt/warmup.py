@@ -54,8 +54,8 @@ def _warmup(c, rollouts: int, steps: int, out: str, buffer_dir: str) -> dict:
     # exactly the first batches the RL steps then decode, and a drafter that has seen those
     # prompts looks better on them than it is.
     data = iter(prompt_dataset(train_rows, batch_size=c.rollout.prompts_per_step,
-                               seed=int(train_lib.derived_seed(c.seed, train_lib.PURPOSE_WARMUP,
-                                                               -1))))
+                               seed=int(train_lib.derived_seed(
+                                   c.seed, train_lib.PURPOSE_WARMUP_PROMPTS, 0))))
     engine = GroupedRollout(model, train_lib.engine_config(c, eos_ids, (Arm(OFF),)), [device])
     bar = metrics.progress(total=rollouts, desc="warm-up rollouts", unit="batch")
     for i in range(rollouts):
