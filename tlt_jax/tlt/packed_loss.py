@@ -8,7 +8,8 @@ positions.
 Depths 2..k (`DrafterLossConfig.unroll = k`, as EAGLE-3's training-time test): when it drafts,
 the drafter reads the target's feature only at the first step of a round; step j reads the
 feature it predicted itself at step j-1. Teacher forcing alone never shows it its own errors:
-on the arithmetic policy a depth-2 draft was accepted half as often as a depth-1 draft.
+on the arithmetic policy a first draft was accepted 62% of the time, a second one (after an
+accepted first) 39%.
 Pass j computes depth j at every position at once. Position t reads pass j-1's feature
 predicted at t-1, and attends to exactly what the drafter's cache holds when it drafts t at depth
 j: pass-1 entries (written with target features) up to t-j+1, then the entries passes 2..j
