@@ -1,7 +1,8 @@
 """TLT end to end on this CPU: RL steps with SD off, with a static warmed-up drafter, and with the
 drafter trained on idle devices during the tail (the same trajectory, bitwise, in all three).
 
-    python -m experiments.bench_tlt [--quick] [--steps N]
+    python -m experiments.bench_tlt [--quick] [--steps N] [--order tlt,static_drafter,baseline]
+        [--out tlt_reversed.json]
 
 Setup: the tiny_arith policy on a longer-tailed mix (more 8- and 16-digit problems, so the tail
 is where rollout time goes), two data-parallel rollout groups on two host devices, gumbel
@@ -9,8 +10,10 @@ verification in batch-invariant numerics. The drafter is warmed up offline first
 (`tlt.warmup`) on rollouts of the initial policy; `static_drafter` serves it unchanged,
 `tlt` keeps training it on the devices of the group that finishes first and publishes new
 versions between steps. Step times exclude compilation (each variant warms its program pool
-before step 1). Prints one JSON object and writes experiments/results/tlt.json
-(tlt_quick.json with --quick).
+before step 1). The train phase is the same computation in every variant, so
+`speedup_train_equalized` also gives each the mean train time; `--order` checks whether running
+last favours a variant. Prints one JSON object and writes experiments/results/tlt.json
+(tlt_quick.json with --quick; --out names another file).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from tlt_jax.tlt.warmup import warmup  # noqa: E402
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny_arith.py")
 MIX = "2:0.25,4:0.25,8:0.25,16:0.25"
+VARIANTS = {"baseline": (False, False), "static_drafter": (True, False),  # (SD, spot training)
+            "tlt": (True, True)}
 
 
 def base_config(steps: int, workdir: str):
@@ -87,7 +92,13 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--steps", type=int, default=0)
+  parser.add_argument("--order", default=",".join(VARIANTS),
+                      help="the order the variants run in (does running last favour one?)")
+  parser.add_argument("--out", default="", help="result file name under experiments/results/")
   args = parser.parse_args()
+  order = args.order.split(",")
+  if sorted(order) != sorted(VARIANTS):
+    parser.error(f"--order must list each of {VARIANTS} once")
   steps = args.steps or (2 if args.quick else 10)
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
@@ -97,8 +108,8 @@ def main() -> None:
     warm = warmup(warm_cfg, rollouts=2 if args.quick else 24, steps=60 if args.quick else 1500,
                   out=os.path.join(tmp, "drafter"))
     variants = {}
-    for name, tlt, spot in (("baseline", False, False), ("static_drafter", True, False),
-                            ("tlt", True, True)):
+    for name in order:
+      tlt, spot = VARIANTS[name]
       c = base_config(steps, os.path.join(tmp, name))
       c.tlt.enabled, c.tlt.spot_training = tlt, spot
       if tlt:
@@ -111,6 +122,7 @@ def main() -> None:
       "machine": f"{platform.machine()} {os.cpu_count()} cpus, 2 host devices",
       "config": "tiny_arith, mix " + MIX + ", 8 prompts x 4 samples, 2 rollout groups",
       "steps": steps,
+      "order": order,
       "warmup": {k: warm[k] for k in ("examples", "tokens", "steps", "final", "seconds")},
       "variants": variants,
       "same_trajectory": same,
@@ -128,7 +140,7 @@ def main() -> None:
       "seconds": time.perf_counter() - start,
   }
   os.makedirs(RESULTS_DIR, exist_ok=True)
-  path = os.path.join(RESULTS_DIR, "tlt_quick.json" if args.quick else "tlt.json")
+  path = os.path.join(RESULTS_DIR, args.out or ("tlt_quick.json" if args.quick else "tlt.json"))
   with open(path, "w") as f:
     json.dump(result, f, indent=2)
   print(json.dumps(result, indent=2))
