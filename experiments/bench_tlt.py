@@ -98,7 +98,7 @@ def main() -> None:
   args = parser.parse_args()
   order = args.order.split(",")
   if sorted(order) != sorted(VARIANTS):
-    parser.error(f"--order must list each of {VARIANTS} once")
+    parser.error(f"--order must list each of {','.join(VARIANTS)} once")
   steps = args.steps or (2 if args.quick else 10)
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
