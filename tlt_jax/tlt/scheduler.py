@@ -71,8 +71,7 @@ class SpotTrainer:
     # Steps donate (update in place) the trainer's own copies, never the caller's arrays.
     self.params = jax.tree.map(jnp.copy, params)
     self.target_graphdef, self.target_params = nnx.split(target)
-    # The rollout's hidden states (the batch's features) come in the target's dtype.
-    self.feature = jax.ShapeDtypeStruct((target.cfg.hidden_size,), target.cfg.jnp_dtype)
+    self.batch_shape = self._batch_shape(target)
     self.tx = optax.adamw(cfg.lr, weight_decay=cfg.weight_decay)
     self.opt_state = self.tx.init(self.params)
     self.version = 0          # bumped by every publish
@@ -107,11 +106,12 @@ class SpotTrainer:
   def has_data(self) -> bool:
     return bool(self._batches)
 
-  def _batch_shape(self) -> PackedBatch:
-    """A packed batch's shapes and dtypes (known from the config before any data is)."""
-    B, T, D = self.cfg.rows, self.cfg.row_len, self.feature.shape[-1]
+  def _batch_shape(self, target: Transformer) -> PackedBatch:
+    """A packed batch's shapes and dtypes (known from the config before any data is; the
+    rollout's hidden states, the batch's features, come in the target's dtype)."""
+    B, T = self.cfg.rows, self.cfg.row_len
     i32 = jax.ShapeDtypeStruct((B, T), jnp.int32)
-    feature = jax.ShapeDtypeStruct((B, T, D), self.feature.dtype)
+    feature = jax.ShapeDtypeStruct((B, T, target.cfg.hidden_size), target.cfg.jnp_dtype)
     return PackedBatch(i32, feature, feature, jax.ShapeDtypeStruct((B, T), jnp.bool_), i32, i32)
 
   def warm_up(self, device_groups: Sequence[Sequence[jax.Device]]) -> int:
@@ -128,7 +128,7 @@ class SpotTrainer:
       with ops.numerics_mode("xla"):
         self._compiled[devices] = self._step.lower(
             spec(self.params, replicated), spec(self.opt_state, replicated),
-            spec(self.target_params, replicated), spec(self._batch_shape(), batch)).compile()
+            spec(self.target_params, replicated), spec(self.batch_shape, batch)).compile()
       built += 1
     return built
 
@@ -155,7 +155,7 @@ class SpotTrainer:
     # emits the target's own samples), so it trains on XLA's fast kernels whatever the run's
     # numerics, as the engines draft with it by default (`tlt.drafter_numerics`).
     shapes_match = all(a.shape == b.shape and a.dtype == b.dtype
-                       for a, b in zip(host, self._batch_shape()))
+                       for a, b in zip(host, self.batch_shape))
     step = self._compiled.get(self.devices, self._step) if shapes_match else self._step
     with ops.numerics_mode("xla"):
       self.params, self.opt_state, self.last_metrics = step(

@@ -11,7 +11,6 @@ buffer it trained on and warmup.json). Start RL from it with `--config.tlt.draft
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -67,8 +66,7 @@ def _warmup(c, rollouts: int, steps: int, out: str, buffer_dir: str) -> dict:
     bar.close()
     buffer.spill(os.path.join(out, "buffer"))
   spot = SpotTrainer(Drafter(model.cfg, nnx.Rngs(c.seed + 1)), model, buffer,
-                     dataclasses.replace(train_lib.spot_config(c, online=False),
-                                         max_steps_per_rollout=0))
+                     train_lib.spot_config(c, online=False))
   batches = spot.refresh_data()
   spot.lend(device)
   curve = []
