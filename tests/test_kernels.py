@@ -101,6 +101,21 @@ def test_attention_ragged_and_masks(dtype, impl):
   np.testing.assert_array_equal(np.asarray(longer), full[1:2, 3:7])
 
 
+
+@pytest.mark.parametrize("impl", ["pallas", "blocked_jax"])
+def test_causal_hint_skips_splits_with_the_same_bits(impl):
+  """`causal=True` skips the key splits past each query block; the result must be the full
+  loop's, bit for bit (T spans three KV splits, and one row sees no key at all)."""
+  q, k, v, _ = _attention_inputs(jnp.float32, B=2, T=70, S=70)
+  mask = jnp.tril(jnp.ones((70, 70), bool))[None] & jax.random.bernoulli(
+      jax.random.key(11), 0.8, (2, 70, 70))
+  mask = mask.at[1, 40].set(False)
+  fn = att.attention_pallas if impl == "pallas" else jax.jit(att.attention_blocked_jax,
+                                                             static_argnames=("scale", "causal"))
+  full = np.asarray(fn(q, k, v, mask, scale=0.2))
+  np.testing.assert_array_equal(np.asarray(fn(q, k, v, mask, scale=0.2, causal=True)), full)
+  assert _rel_err(full, att.attention_reference(q, k, v, mask, 0.2)) < TOL[jnp.float32]
+
 def test_tree_sum_is_a_fixed_order():
   x = jax.random.normal(jax.random.key(10), (70, 37))
   f = jax.jit(lambda x: tree_sum(x * x, -1))

@@ -128,11 +128,13 @@ def rms_norm(x: jax.Array, weight_D: jax.Array, eps: float) -> jax.Array:
 
 
 def attention(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
-              mask_BxTxS: jax.Array, scale: float) -> jax.Array:
+              mask_BxTxS: jax.Array, scale: float, causal: bool = False) -> jax.Array:
   """Grouped-query attention; `mask` is True where a query may attend a key.
 
   H query heads share K key/value heads (H % K == 0). Scores and softmax are computed in f32.
-  Rows with no visible key (padding) produce zeros rather than NaN.
+  Rows with no visible key (padding) produce zeros rather than NaN. `causal=True` is a promise
+  that query t sees no key past index t (the mask still decides): the batch-invariant kernels
+  then skip the key splits no query of a block can see, with the same bits.
   """
   impl = backend()
   reference = functools.partial(_attention_xla, scale=scale)
@@ -140,7 +142,7 @@ def attention(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
     return reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS)
   kernel = (attention_kernels.attention_pallas if impl == "pallas"
             else attention_kernels.attention_blocked_jax)
-  return _reference_grad(functools.partial(kernel, scale=scale), reference)(
+  return _reference_grad(functools.partial(kernel, scale=scale, causal=causal), reference)(
       q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS)
 
 

@@ -181,7 +181,7 @@ class Attention(nnx.Module):
     self.cfg = cfg
 
   def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache_k, cache_v, write_slot_B,
-               kv_index_BxTxS=None):
+               kv_index_BxTxS=None, causal: bool = False):
     B, T, _ = x_BxTxD.shape
     hd = self.head_dim
     q = self.q_proj(x_BxTxD).reshape(B, T, self.num_heads, hd)
@@ -201,7 +201,7 @@ class Attention(nnx.Module):
     else:
       k_all, v_all = k, v
     if kv_index_BxTxS is None:
-      out = ops.attention(q, k_all, v_all, mask_BxTxS, scale=1.0 / math.sqrt(hd))
+      out = ops.attention(q, k_all, v_all, mask_BxTxS, scale=1.0 / math.sqrt(hd), causal=causal)
     else:
       out = _per_query_attention(q, k_all, v_all, mask_BxTxS, kv_index_BxTxS, 1.0 / math.sqrt(hd))
     return self.o_proj(out.reshape(B, T, self.num_heads * hd)), cache_k, cache_v
@@ -243,9 +243,10 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.jnp_dtype)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, positions, mask, cache_k, cache_v, write_slot, kv_index=None):
+  def __call__(self, x, positions, mask, cache_k, cache_v, write_slot, kv_index=None,
+               causal: bool = False):
     attn_out, cache_k, cache_v = self.self_attn(
-        self.input_layernorm(x), positions, mask, cache_k, cache_v, write_slot, kv_index)
+        self.input_layernorm(x), positions, mask, cache_k, cache_v, write_slot, kv_index, causal)
     x = x + attn_out
     x = x + self.mlp(self.post_attention_layernorm(x))
     return x, cache_k, cache_v
@@ -314,6 +315,9 @@ class Transformer(nnx.Module):
       num_slots = cache.num_slots
     if positions_BxT is None:
       positions_BxT = slots_BxT
+    # Without a cache the default mask is causal over the T tokens themselves: attention may
+    # skip the keys past each query block (a cache may hold keys at any slot, so not there).
+    causal = cache is None and mask_BxTxS is None
     if mask_BxTxS is None:
       mask_BxTxS = causal_mask(slots_BxT, num_slots)
     elif mask_BxTxS.shape != (B, T, num_slots):
@@ -324,7 +328,8 @@ class Transformer(nnx.Module):
     for i, layer in enumerate(self.layers):
       ck = cache.k[i] if cache is not None else None
       cv = cache.v[i] if cache is not None else None
-      x, ck, cv = layer(x, positions_BxT, mask_BxTxS, ck, cv, write_slot_B, kv_index_BxTxS)
+      x, ck, cv = layer(x, positions_BxT, mask_BxTxS, ck, cv, write_slot_B, kv_index_BxTxS,
+                        causal)
       new_k.append(ck)
       new_v.append(cv)
     hidden = self.norm(x)
