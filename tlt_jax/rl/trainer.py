@@ -167,6 +167,7 @@ class Trainer:
     self._prepare = jax.jit(self._prepare_fn)
     self._grad = jax.jit(self._grad_fn)
     self._apply = jax.jit(self._apply_fn, donate_argnums=(0, 1))
+    self._accumulate = jax.jit(lambda total, g: jax.tree.map(jnp.add, total, g))
 
   # -- what the rest of the run sees
 
@@ -283,8 +284,13 @@ class Trainer:
       extra = (None, None, None)
       if not self.single_update:
         extra = self._prepare(self.trainable, self.reference, *dev[:3])[:3]
-      jax.block_until_ready(self._grad(self.trainable, self.reference, np.float32(0.0), *dev,
-                                       *extra))
+      grads, _ = self._grad(self.trainable, self.reference, np.float32(0.0), *dev, *extra)
+      jax.block_until_ready(grads)
+    # The update and the gradient sum too (on copies: the update donates its inputs), so the
+    # first RL step pays no compile either.
+    grads = self._accumulate(grads, grads)
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+    jax.block_until_ready(self._apply(copy(self.trainable), copy(self.opt_state), grads))
     return len(lengths)
 
   def plan(self, batch: Batch) -> list[list[tuple[tuple, np.float32]]]:
@@ -310,7 +316,7 @@ class Trainer:
     for c, (dev, w) in enumerate(chunk_list):
       extra = prepared[c] if prepared else (None, None, None)
       g, st = self._grad(self.trainable, self.reference, w, *dev, *extra)
-      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+      grads = g if grads is None else self._accumulate(grads, g)
       stats.append(st)
     return grads, stats
 
