@@ -44,15 +44,19 @@ def attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale: floa
   return out.reshape(B, T, H, D).astype(q_BxTxHxD.dtype)
 
 
-def _query_rows(q_BxTxHxD, k_BxSxKxD, mask_BxTxS):
-  """Queries as [B, K, T*G, D] rows (t-major, then the G heads sharing a KV head), mask per row."""
-  B, T, H, D = q_BxTxHxD.shape
+def _check_shapes(q_BxTxHxD, k_BxSxKxD, mask_BxTxS) -> None:
+  B, T, H, _ = q_BxTxHxD.shape
   K = k_BxSxKxD.shape[2]
   if H % K:
     raise ValueError(f"attention: {H} query heads do not group over {K} KV heads")
   if mask_BxTxS.shape != (B, T, k_BxSxKxD.shape[1]):
     raise ValueError(f"attention: mask {mask_BxTxS.shape} != (B, T, S) = "
                      f"{(B, T, k_BxSxKxD.shape[1])}")
+
+
+def _query_rows(q_BxTxHxD, K: int, mask_BxTxS):
+  """Queries as [B, K, T*G, D] rows (t-major, then the G heads sharing a KV head), mask per row."""
+  B, T, H, D = q_BxTxHxD.shape
   G = H // K
   q_BxKxRxD = q_BxTxHxD.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, D)
   return q_BxKxRxD, jnp.repeat(mask_BxTxS, G, axis=1)
@@ -60,7 +64,8 @@ def _query_rows(q_BxTxHxD, k_BxSxKxD, mask_BxTxS):
 
 def _to_rows(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, block_rows: int):
   """Kernel layout: rows padded to `block_rows`, KV as [B, K, S, D] padded to KV_SPLIT."""
-  q_BxKxRxD, mask_BxRxS = _query_rows(q_BxTxHxD, k_BxSxKxD, mask_BxTxS)
+  _check_shapes(q_BxTxHxD, k_BxSxKxD, mask_BxTxS)
+  q_BxKxRxD, mask_BxRxS = _query_rows(q_BxTxHxD, k_BxSxKxD.shape[2], mask_BxTxS)
   q_BxKxRxD = pad_axis(q_BxKxRxD, 2, block_rows)
   mask_BxRxS = pad_axis(pad_axis(mask_BxRxS, 1, block_rows, False), 2, KV_SPLIT, False)
   k_BxKxSxD = pad_axis(k_BxSxKxD.transpose(0, 2, 1, 3), 2, KV_SPLIT)
@@ -172,7 +177,9 @@ def attention_blocked_jax(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale: fl
 
 
 def _looped_queries(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale: float) -> jax.Array:
-  one = lambda qm: _attention_splits(qm[0][:, None], k_BxSxKxD, v_BxSxKxD, qm[1][:, None], scale)
+  _check_shapes(q_BxTxHxD, k_BxSxKxD, mask_BxTxS)
+  kv = _split_kv(k_BxSxKxD, v_BxSxKxD)  # once, not once per query
+  one = lambda qm: _attend_splits(qm[0][:, None], *kv, qm[1][:, None], scale)
   out_TxBx1xHxD = jax.lax.map(one, (jnp.moveaxis(q_BxTxHxD, 1, 0), jnp.moveaxis(mask_BxTxS, 1, 0)))
   return jnp.moveaxis(out_TxBx1xHxD[:, :, 0], 0, 1)
 
@@ -188,25 +195,41 @@ def _attention_splits(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale: float)
   sequential sum after rescaling to the global max (max is exact in any order). A split with no
   visible key contributes exactly 0, so a longer cache gives the same bits.
   """
-  B, T, H, D = q_BxTxHxD.shape
-  q, mask = _query_rows(q_BxTxHxD, k_BxSxKxD, mask_BxTxS)
-  K, R = q.shape[1], q.shape[2]
-  mask = pad_axis(mask, 2, KV_SPLIT, False)
+  _check_shapes(q_BxTxHxD, k_BxSxKxD, mask_BxTxS)
+  return _attend_splits(q_BxTxHxD, *_split_kv(k_BxSxKxD, v_BxSxKxD), mask_BxTxS, scale)
+
+
+def _split_kv(k_BxSxKxD, v_BxSxKxD):
+  """Keys and values in split layouts, materialized, with the summed axis major: keys as
+  [D, B, K, 1, n, C] (q.k sums over D), values as [C, B, K, 1, n, D] (p.v sums over a split's
+  C keys). Each halving of a tree sum then adds two contiguous blocks."""
+  B, _, K, D = k_BxSxKxD.shape
   k = pad_axis(k_BxSxKxD, 1, KV_SPLIT)
   v = pad_axis(v_BxSxKxD, 1, KV_SPLIT)
   n = k.shape[1] // KV_SPLIT
-  # [B, n, C, K, D] -> [B, K, 1, n, C, D]: split j holds slots j*C .. j*C + C-1.
-  k_BxKx1xNxCxD = k.reshape(B, n, KV_SPLIT, K, D).transpose(0, 3, 1, 2, 4)[:, :, None]
-  v_BxKx1xNxCxD = v.reshape(B, n, KV_SPLIT, K, D).transpose(0, 3, 1, 2, 4)[:, :, None]
+  # [B, n, C, K, D]: split j holds slots j*C .. j*C + C-1.
+  k_DxBxKx1xNxC = k.reshape(B, n, KV_SPLIT, K, D).transpose(4, 0, 3, 1, 2)[:, :, :, None]
+  v_CxBxKx1xNxD = v.reshape(B, n, KV_SPLIT, K, D).transpose(2, 0, 3, 1, 4)[:, :, :, None]
+  return jax.lax.optimization_barrier((k_DxBxKx1xNxC, v_CxBxKx1xNxD))
+
+
+def _attend_splits(q_BxTxHxD, k_DxBxKx1xNxC, v_CxBxKx1xNxD, mask_BxTxS, scale: float):
+  B, T, H, D = q_BxTxHxD.shape
+  K, n = k_DxBxKx1xNxC.shape[2], k_DxBxKx1xNxC.shape[4]
+  q, mask = _query_rows(q_BxTxHxD, K, mask_BxTxS)
+  R = q.shape[2]
+  mask = pad_axis(mask, 2, KV_SPLIT, False)
   mask_Bx1xRxNxC = mask.reshape(B, R, n, KV_SPLIT)[:, None]
-  q32 = q.astype(jnp.float32)[:, :, :, None, None, :]
-  s = tree_sum(q32 * k_BxKx1xNxCxD.astype(jnp.float32), axis=-1) * scale  # [B, K, R, n, C]
+  q_DxBxKxRx1x1 = jnp.moveaxis(q.astype(jnp.float32), -1, 0)[..., None, None]
+  s = tree_sum(q_DxBxKxRx1x1 * k_DxBxKx1xNxC.astype(jnp.float32), axis=0) * scale  # [B,K,R,n,C]
   s = jnp.where(mask_Bx1xRxNxC, s, -jnp.inf)
   m_split = jnp.max(s, axis=-1)                                             # [B, K, R, n]
   m_split_safe = jnp.where(m_split == -jnp.inf, 0.0, m_split)
   p = jnp.exp(s - m_split_safe[..., None])
   l_split = tree_sum(p, axis=-1)                                            # [B, K, R, n]
-  pv_split = tree_sum(p[..., None] * v_BxKx1xNxCxD.astype(jnp.float32), axis=-2)  # [B,K,R,n,D]
+  p_CxBxKxRxN = jnp.moveaxis(p, -1, 0)
+  pv_split = tree_sum(p_CxBxKxRxN[..., None] * v_CxBxKx1xNxD.astype(jnp.float32),
+                      axis=0)                                               # [B, K, R, n, D]
   m_all = jnp.max(m_split, axis=-1, keepdims=True)
   weight = jnp.exp(m_split - jnp.where(m_all == -jnp.inf, 0.0, m_all))     # 0 for empty splits
   l_terms = jnp.moveaxis(l_split * weight, -1, 0)
