@@ -40,6 +40,22 @@ def test_matmul_ragged(dtype, impl):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_matmul_one_loop_is_row_invariant(dtype):
+  """The three LoRA dots in one blocked loop: right values, and a row's bits do not depend on
+  how many rows came with it."""
+  x, w = _normal(12, (37, 72), dtype), _normal(13, (72, 40), dtype)
+  a, b = _normal(14, (72, 4), dtype), _normal(15, (4, 40), dtype)
+  fn = jax.jit(mm.lora_matmul_blocked_jax)
+  base, delta = fn(x, w, a, b)
+  assert base.shape == delta.shape == (37, 40) and base.dtype == delta.dtype == dtype
+  assert _rel_err(base, mm.matmul_reference(x, w)) < TOL[dtype]
+  assert _rel_err(delta, mm.matmul_reference(mm.matmul_reference(x, a), b)) < TOL[dtype]
+  for lo, hi in [(0, 1), (5, 6), (3, 20)]:
+    part = fn(x[lo:hi], w, a, b)
+    np.testing.assert_array_equal(np.asarray(part[0]), np.asarray(base)[lo:hi])
+    np.testing.assert_array_equal(np.asarray(part[1]), np.asarray(delta)[lo:hi])
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("impl", ["pallas", "blocked_jax"])
 def test_rms_norm_ragged(dtype, impl):
   x = _normal(2, (3, 7, 300), dtype, 2.0)

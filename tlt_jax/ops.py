@@ -116,6 +116,26 @@ def matmul(x_NxK: jax.Array, w_KxM: jax.Array) -> jax.Array:
   return out.reshape(*lead, w_KxM.shape[1])
 
 
+def _lora_reference(x_NxK, w_KxN, a_KxR, b_RxN):
+  return jnp.matmul(x_NxK, w_KxN), jnp.matmul(jnp.matmul(x_NxK, a_KxR), b_RxN)
+
+
+def lora_matmul(x_NxK: jax.Array, w_KxM: jax.Array, a_KxR: jax.Array,
+                b_RxM: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(x @ w, (x @ a) @ b): a LoRA linear's base output and its unscaled update.
+
+  The same values as three `matmul` calls; on CPU the blocked path runs the three dots of a row
+  block in one loop (a third of the loop overhead, which is most of a small decode step)."""
+  impl = backend()
+  if impl != "blocked_jax":
+    return matmul(x_NxK, w_KxM), matmul(matmul(x_NxK, a_KxR), b_RxM)
+  *lead, K = x_NxK.shape
+  kernel = _reference_grad(matmul_kernels.lora_matmul_blocked_jax, _lora_reference)
+  base, delta = kernel(x_NxK.reshape(-1, K), w_KxM, a_KxR, b_RxM)
+  M = w_KxM.shape[1]
+  return base.reshape(*lead, M), delta.reshape(*lead, M)
+
+
 def rms_norm(x: jax.Array, weight_D: jax.Array, eps: float) -> jax.Array:
   """RMSNorm over the last axis, computed in f32 and cast back (as HF does)."""
   impl = backend()

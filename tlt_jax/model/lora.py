@@ -40,8 +40,10 @@ class LoRALinear(nnx.Module):
     self.d_in, self.d_out = base.d_in, base.d_out
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    delta = ops.matmul(ops.matmul(x, self.lora_a[...]), self.lora_b[...])
-    return self.base(x) + (self.scale * delta).astype(x.dtype)
+    y, delta = ops.lora_matmul(x, self.base.kernel[...], self.lora_a[...], self.lora_b[...])
+    if self.base.bias is not None:
+      y = y + self.base.bias[...]
+    return y + (self.scale * delta).astype(x.dtype)
 
 
 def _check_targets(targets) -> None:
