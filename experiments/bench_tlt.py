@@ -1,19 +1,24 @@
 """TLT end to end on this CPU: RL steps with SD off, with a static warmed-up drafter, and with the
 drafter trained on idle devices during the tail (the same trajectory, bitwise, in all three).
 
-    python -m experiments.bench_tlt [--quick] [--steps N] [--order tlt,static_drafter,baseline]
-        [--out tlt_reversed.json]
+    python -m experiments.bench_tlt [--quick] [--steps N] [--repeats 3]
+        [--order baseline,static_drafter,tlt] [--drafter DIR] [--out NAME.json]
 
 Setup: the tiny_arith policy on a longer-tailed mix (more 8- and 16-digit problems, so the tail
 is where rollout time goes), two data-parallel rollout groups on two host devices, gumbel
 verification in batch-invariant numerics. The drafter is warmed up offline first
-(`tlt.warmup`) on rollouts of the initial policy; `static_drafter` serves it unchanged,
-`tlt` keeps training it on the devices of the group that finishes first and publishes new
-versions between steps. Step times exclude compilation (each variant warms its program pool
-before step 1). The train phase is the same computation in every variant, so
-`speedup_train_equalized` also gives each the mean train time; `--order` checks whether running
-last favours a variant. Prints one JSON object and writes experiments/results/tlt.json
-(tlt_quick.json with --quick; --out names another file).
+(`tlt.warmup`, or `--drafter` names one already warmed) on rollouts of the initial policy;
+`static_drafter` serves it unchanged, `tlt` keeps training it on the devices of the group that
+finishes first and publishes new versions between steps. Step times exclude compilation (each
+variant warms its program pool before step 1).
+
+On 2 shared cores one run of a phase varies by 10-25%, so one run per variant cannot tell 1.5x
+from 1.7x. Each variant therefore runs `--repeats` times, every run in a fresh process, the
+order rotated between repeats (a Latin square), and the speedups are ratios of the medians;
+`speedup_end_to_end_by_repeat` shows the spread. The train phase is the same computation in
+every variant, so `speedup_train_equalized` also gives each the mean train time. Prints one JSON
+object and writes experiments/results/tlt.json (tlt_quick.json with --quick; --out names
+another file).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -35,7 +42,8 @@ from tlt_jax import config as config_lib  # noqa: E402
 from tlt_jax import metrics, train  # noqa: E402
 from tlt_jax.tlt.warmup import warmup  # noqa: E402
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny_arith.py")
 MIX = "2:0.25,4:0.25,8:0.25,16:0.25"
 VARIANTS = {"baseline": (False, False), "static_drafter": (True, False),  # (SD, spot training)
@@ -55,6 +63,14 @@ def base_config(steps: int, workdir: str):
   c.metrics.plots = c.metrics.tensorboard = c.metrics.progress = False
   c.tlt.arms = "chain2,chain4"
   c.tlt.rows, c.tlt.row_len = 8, 256
+  return c
+
+
+def variant_config(name: str, steps: int, workdir: str, drafter_dir: str):
+  c = base_config(steps, workdir)
+  c.tlt.enabled, c.tlt.spot_training = VARIANTS[name]
+  if c.tlt.enabled:
+    c.tlt.drafter_init = drafter_dir
   return c
 
 
@@ -88,55 +104,103 @@ def train_equalized(variants: dict) -> dict[str, float]:
           if name != "baseline"}
 
 
+def run_child(name: str, steps: int, drafter_dir: str, workdir: str) -> dict:
+  """One variant in a fresh process (its own JAX runtime, caches and allocator; the program
+  pool loads from the persistent compilation cache after the first run of a variant)."""
+  cmd = [sys.executable, "-m", "experiments.bench_tlt", "--variant", name, "--steps", str(steps),
+         "--drafter", drafter_dir, "--workdir", workdir]
+  subprocess.run(cmd, check=True, cwd=ROOT, stdout=sys.stderr)  # stdout: the one JSON object
+  with open(os.path.join(workdir, "variant.json")) as f:
+    return json.load(f)
+
+
+def aggregate(runs: list[dict]) -> dict:
+  """A variant over its repeats: the median of each total, and every run as measured."""
+  med = lambda key: float(np.median([r[key] for r in runs]))  # noqa: E731
+  return {
+      **{key: med(key) for key in ("step_s_total", "rollout_s_total", "train_s_total",
+                                   "accept_len_mean", "idle_device_s_total", "compile_s")},
+      "drafter_steps_total": int(np.median([r["drafter_steps_total"] for r in runs])),
+      "step_s_runs": [r["step_s_total"] for r in runs],
+      "per_step": runs[0]["per_step"],  # the first repeat's steps, for the curves
+      "runs": [{k: v for k, v in r.items() if k != "per_step"} for r in runs],
+  }
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--steps", type=int, default=0)
+  parser.add_argument("--repeats", type=int, default=0,
+                      help="runs of each variant (default 3, 1 with --quick); medians are reported")
   parser.add_argument("--order", default=",".join(VARIANTS),
-                      help="the order the variants run in (does running last favour one?)")
+                      help="the first repeat's order; each next repeat rotates it by one")
+  parser.add_argument("--drafter", default="",
+                      help="a warmed-up drafter directory (tlt.warmup --out) instead of warming one")
   parser.add_argument("--out", default="", help="result file name under experiments/results/")
+  parser.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)  # child
+  parser.add_argument("--workdir", default="", help=argparse.SUPPRESS)  # child
   args = parser.parse_args()
+  steps = args.steps or (2 if args.quick else 10)
+  if args.variant:  # one variant in this process (see run_child)
+    measured = run_variant(args.variant, variant_config(args.variant, steps, args.workdir,
+                                                         args.drafter))
+    with open(os.path.join(args.workdir, "variant.json"), "w") as f:
+      json.dump(measured, f)
+    return
   order = args.order.split(",")
   if sorted(order) != sorted(VARIANTS):
     parser.error(f"--order must list each of {','.join(VARIANTS)} once")
-  steps = args.steps or (2 if args.quick else 10)
+  repeats = args.repeats or (1 if args.quick else 3)
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
-    warm_cfg = base_config(steps, os.path.join(tmp, "warmup"))
-    # 24 batches (768 samples): with 6 the drafter memorized its data (top-1 agreement 0.98 on
-    # it, 0.76 on fresh rollouts); 1500 steps is about 4 epochs of it.
-    warm = warmup(warm_cfg, rollouts=2 if args.quick else 24, steps=60 if args.quick else 1500,
-                  out=os.path.join(tmp, "drafter"))
-    variants = {}
-    for name in order:
-      tlt, spot = VARIANTS[name]
-      c = base_config(steps, os.path.join(tmp, name))
-      c.tlt.enabled, c.tlt.spot_training = tlt, spot
-      if tlt:
-        c.tlt.drafter_init = os.path.join(tmp, "drafter")
-      variants[name] = run_variant(name, c)
-  same = (variants["baseline"]["reward_mean_by_step"] == variants["tlt"]["reward_mean_by_step"]
-          == variants["static_drafter"]["reward_mean_by_step"])
+    drafter_dir = args.drafter
+    if not drafter_dir:
+      drafter_dir = os.path.join(tmp, "drafter")
+      # 24 batches (768 samples): with 6 the drafter memorized its data (top-1 agreement 0.98
+      # on it, 0.76 on fresh rollouts); 1500 steps is about 4 epochs of it.
+      warmup(base_config(steps, os.path.join(tmp, "warmup")),
+             rollouts=2 if args.quick else 24, steps=60 if args.quick else 1500, out=drafter_dir)
+    with open(os.path.join(drafter_dir, "warmup.json")) as f:
+      warm = json.load(f)
+    runs = {name: [] for name in VARIANTS}
+    orders = []
+    for r in range(repeats):
+      # A Latin square over the repeats: each variant runs first, middle and last once, so a
+      # drift of the machine's speed does not favour one of them.
+      this_order = order[r % len(order):] + order[:r % len(order)]
+      orders.append(this_order)
+      for name in this_order:
+        workdir = os.path.join(tmp, f"{name}-{r}")
+        os.makedirs(workdir)
+        runs[name].append(run_child(name, steps, drafter_dir, workdir))
+  trajectories = [run["reward_mean_by_step"] for rs in runs.values() for run in rs]
+  variants = {name: aggregate(rs) for name, rs in runs.items()}
   base, tlt = variants["baseline"], variants["tlt"]
+  paired = [b["step_s_total"] / t["step_s_total"] for b, t in zip(runs["baseline"], runs["tlt"])]
   result = {
       "machine": f"{platform.machine()} {os.cpu_count()} cpus, 2 host devices",
       "config": "tiny_arith, mix " + MIX + ", 8 prompts x 4 samples, 2 rollout groups",
       "steps": steps,
-      "order": order,
+      "repeats": repeats,
+      "orders": orders,
       "warmup": {k: warm[k] for k in ("examples", "tokens", "steps", "final", "seconds")},
       "variants": variants,
-      "same_trajectory": same,
+      "same_trajectory": all(t == trajectories[0] for t in trajectories),
+      # Medians over the repeats (each run a fresh process).
       "speedup_end_to_end": base["step_s_total"] / tlt["step_s_total"],
       "speedup_static_end_to_end": base["step_s_total"] / variants["static_drafter"]["step_s_total"],
       "speedup_rollout": base["rollout_s_total"] / tlt["rollout_s_total"],
       "speedup_train_equalized": train_equalized(variants),
+      # baseline / tlt within each repeat (the two ran minutes apart): the spread of the figure.
+      "speedup_end_to_end_by_repeat": paired,
       # Amdahl: the baseline's share of step time spent in rollout, and the end-to-end speedup
       # even an infinitely fast rollout could give with this trainer on this machine.
       "rollout_share_baseline": base["rollout_s_total"] / base["step_s_total"],
       "speedup_bound_if_rollout_were_free": base["step_s_total"] / (
           base["step_s_total"] - base["rollout_s_total"]),
-      "accept_len_by_step": {name: [r["accept_len"] for r in v["per_step"]]
-                             for name, v in variants.items()},
+      "accept_len_by_step": {name: [[s["accept_len"] for s in run["per_step"]] for run in rs]
+                             for name, rs in runs.items()},
       "seconds": time.perf_counter() - start,
   }
   os.makedirs(RESULTS_DIR, exist_ok=True)
