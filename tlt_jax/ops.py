@@ -124,8 +124,9 @@ def lora_matmul(x_NxK: jax.Array, w_KxM: jax.Array, a_KxR: jax.Array,
                 b_RxM: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(x @ w, (x @ a) @ b): a LoRA linear's base output and its unscaled update.
 
-  The same values as three `matmul` calls; on CPU the blocked path runs the three dots of a row
-  block in one loop (a third of the loop overhead, which is most of a small decode step)."""
+  What three `matmul` calls compute; on CPU the blocked path runs the three dots of a row block
+  in one loop (a third of the loop overhead, which is most of a small decode step). Its bits may
+  differ from three separate loops; sampler and trainer both call this, so they agree."""
   impl = backend()
   if impl != "blocked_jax":
     return matmul(x_NxK, w_KxM), matmul(matmul(x_NxK, a_KxR), b_RxM)
