@@ -44,7 +44,7 @@ from tlt_jax.tlt.warmup import warmup  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
-CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny_arith.py")
+CONFIG = os.path.join(ROOT, "experiments", "configs", "tiny_arith.py")
 MIX = "2:0.25,4:0.25,8:0.25,16:0.25"
 VARIANTS = {"baseline": (False, False), "static_drafter": (True, False),  # (SD, spot training)
             "tlt": (True, True)}
