@@ -109,6 +109,46 @@ def test_switching_sd_on_mid_rollout_needs_no_reprefill():
   assert engine.prefill_rows == 12  # each prompt prefilled once: the drafter cache was current
 
 
+def test_plain_chunks_bring_the_drafter_cache_up_to_date():
+  """After plain chunks (one catch-up drafter forward each, not a drafter step per token), the
+  drafter's cache at every slot before a row's position equals one drafter forward over the
+  whole sequence: prompt with zero features, then each emitted token with the target feature
+  that produced it. Bitwise, with the drafter under the batch-invariant numerics."""
+  target, draft = _models()
+  cfg = dataclasses.replace(CFG, drafter_numerics="policy", eos_ids=())
+  prompts = PROMPTS[:4]
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  padded = np.array([p + [0] * (cfg.max_prompt_len - len(p)) for p in prompts], np.int32)
+  B, S = len(prompts), cfg.num_slots
+
+  @jax.jit
+  def prefill_and_decode():
+    s = engine_lib._prefill(target, draft, cfg, jnp.asarray(padded), jnp.asarray(lengths),
+                            jnp.arange(B, dtype=jnp.int32),
+                            jnp.array([10, 4, 10, 7], jnp.int32), jnp.int32(0))
+    for _ in range(3):  # chunks of 3 steps; rows 1 and 3 finish (max_new) inside a chunk
+      s, _, _ = engine_lib._decode_chunk(target, draft, cfg, Arm(OFF), s, jnp.int32(0))
+    return s
+
+  with ops.numerics_mode("batch_invariant"):
+    s = prefill_and_decode()
+    pos, gen = np.asarray(s.pos), np.asarray(s.gen)
+    assert list(gen) == [10, 4, 10, 7] and list(pos) == list(lengths + gen - 1)
+    # Reference rows: [prompt, emitted tokens already fed to the target], zero-padded to S.
+    tokens_BxS = np.zeros((B, S), np.int32)
+    features_BxSxD = np.zeros((B, S, target.cfg.hidden_size), np.float32)
+    for b in range(B):
+      n = int(gen[b]) - 1
+      tokens_BxS[b, :pos[b]] = prompts[b] + np.asarray(s.out_tokens[b, :n]).tolist()
+      features_BxSxD[b, lengths[b]:pos[b]] = np.asarray(s.out_hidden[b, :n])
+    _, _, ref = jax.jit(lambda t, f: draft(target, t, f, draft.init_cache(B, S),
+                                           jnp.zeros((B,), jnp.int32)))(tokens_BxS, features_BxSxD)
+  for b in range(B):
+    for got, want in ((s.draft_cache.k[0], ref.k[0]), (s.draft_cache.v[0], ref.v[0])):
+      np.testing.assert_array_equal(np.asarray(got[b, :pos[b]]), np.asarray(want[b, :pos[b]]),
+                                    err_msg=f"row {b}")
+
+
 def test_no_compile_after_warm_up():
   target, draft = _models()
   compiles = []

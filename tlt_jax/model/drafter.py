@@ -6,9 +6,10 @@ lm_head turns it into draft logits. The embedding and lm_head are the target's, 
 (passed in, not owned), so the drafter's parameters are just fc + one layer + a norm. Drafting k
 tokens ahead feeds the drafter's own features back in place of h.
 
-The drafter keeps its own KV cache, written at the same slots as the target's. Plain decode runs
-the drafter on every step too, so its cache is current and speculative decoding can start at any
-step without re-prefilling anything.
+The drafter keeps its own KV cache, written at the same slots as the target's. After each plain
+decode chunk one drafter forward over the chunk's tokens (and the target features the chunk
+stored with them) brings that cache up to date, so speculative decoding can start at any chunk
+without re-prefilling anything (`engine._drafter_catch_up`).
 """
 
 from __future__ import annotations

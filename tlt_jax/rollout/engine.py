@@ -85,8 +85,11 @@ class EngineConfig:
 
   @property
   def num_slots(self) -> int:
-    """Prompt + response + one draft/verify window, padded to the attention's KV split size."""
+    """Prompt + response + one draft/verify window (or, with SD arms, the drafter's catch-up
+    window of `chunk_steps` tokens if wider), padded to the attention's KV split size."""
     window = max(a.draft_slots for a in self.arms)
+    if self.max_depth:
+      window = max(window, self.chunk_steps)
     return round_up(self.max_prompt_len + self.max_new_tokens + window, ops.KV_SPLIT)
 
 
@@ -182,13 +185,9 @@ def _is_eos(token_B, cfg: EngineConfig):
   return jnp.isin(token_B, jnp.asarray(cfg.eos_ids, jnp.int32))
 
 
-def _plain_step(target, drafter, cfg: EngineConfig, s: Slots, seed) -> tuple[Slots, jax.Array]:
+def _plain_step(target, cfg: EngineConfig, s: Slots, seed) -> tuple[Slots, jax.Array]:
   active = s.live & ~s.done
   out = target(s.token[:, None], cache=s.cache, write_slot_B=s.pos)
-  draft_cache = s.draft_cache
-  if drafter is not None:  # keep the drafter's cache current: SD may start at any step
-    _, _, draft_cache = drafter(target, s.token[:, None], s.prev_hidden[:, None], s.draft_cache,
-                                s.pos)
   hidden = out.hidden_BxTxD[:, 0]
   token, logp = sampling.sample_and_logprob(out.logits_BxTxV[:, 0], seed, s.sample_id, s.pos + 1,
                                             cfg.sampling)
@@ -196,8 +195,7 @@ def _plain_step(target, drafter, cfg: EngineConfig, s: Slots, seed) -> tuple[Slo
   gen = s.gen + active
   done = s.done | (active & (_is_eos(token, cfg) | (gen >= s.max_new)))
   s = s._replace(
-      cache=out.cache, draft_cache=draft_cache,
-      token=jnp.where(active, token, s.token), pos=s.pos + active,
+      cache=out.cache, token=jnp.where(active, token, s.token), pos=s.pos + active,
       prev_hidden=jnp.where(active[:, None], hidden, s.prev_hidden), gen=gen, done=done,
       out_tokens=_write_rows(s.out_tokens, rows, s.gen, token, active),
       out_logprobs=_write_rows(s.out_logprobs, rows, s.gen, logp, active),
@@ -438,11 +436,32 @@ def _decode_chunk(target, drafter, cfg: EngineConfig, arm: Arm, s: Slots, seed):
     elif arm.depth:
       s, n = _sd_step(target, drafter, cfg, arm.depth, s, seed)
     else:
-      s, n = _plain_step(target, drafter, cfg, s, seed)
+      s, n = _plain_step(target, cfg, s, seed)
     return step + 1, s, emitted + n
 
-  rounds, s, emitted = jax.lax.while_loop(cond, body, (jnp.int32(0), s, jnp.int32(0)))
-  return s, emitted, rounds
+  rounds, out, emitted = jax.lax.while_loop(cond, body, (jnp.int32(0), s, jnp.int32(0)))
+  if drafter is not None and not arm.depth:
+    out = _drafter_catch_up(target, drafter, cfg, s.pos, s.gen, out)
+  return out, emitted, rounds
+
+
+def _drafter_catch_up(target, drafter, cfg: EngineConfig, pos0_B, gen0_B, s: Slots) -> Slots:
+  """Writes the drafter's cache entries for the slots a plain chunk decoded (pos0 .. s.pos-1)
+  in one drafter forward over the chunk's tokens and the target features stored with them,
+  instead of a drafter step inside every plain step: SD may start at the next chunk, and its
+  first draft reads these entries.
+
+  Slot pos0 + i holds token out_tokens[gen0 - 1 + i] with feature out_hidden[gen0 - 1 + i]
+  (the hidden state whose logits produced it), exactly what a per-step update would have fed.
+  Entries past a row's new pos are scratch: a round writes its slots before reading them, as
+  after a verify that accepted fewer tokens than it wrote. `num_slots` leaves room for the
+  `chunk_steps`-wide write, so the write is never shifted onto earlier slots."""
+  N = cfg.chunk_steps
+  g_BxN = jnp.clip(gen0_B[:, None] - 1 + jnp.arange(N)[None, :], 0, cfg.max_new_tokens - 1)
+  tokens_BxN = jnp.take_along_axis(s.out_tokens, g_BxN, axis=1)
+  features_BxNxD = jnp.take_along_axis(s.out_hidden, g_BxN[..., None], axis=1)
+  _, _, draft_cache = drafter(target, tokens_BxN, features_BxNxD, s.draft_cache, pos0_B)
+  return s._replace(draft_cache=draft_cache)
 
 
 def _insert(s: Slots, new: Slots, rows_K) -> Slots:
