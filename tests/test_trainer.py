@@ -155,3 +155,29 @@ def test_sharded_step_matches_the_single_device_step():
   grads, _ = sharded.gradients(plan[0])
   for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=2e-5, atol=1e-7)
+
+
+def test_batch_invariant_sharded_trainer_keeps_per_row_logprobs_bitwise():
+  """On a data x fsdp mesh the batch-invariant trainer runs its kernels per device on whole
+  rows (shard_map): every row's log-probs are bitwise the single-device ones, so the
+  sampler/trainer mismatch stays exactly 0; the gradient (summed across devices) matches."""
+  from tlt_jax import mesh as mesh_lib
+
+  with ops.numerics_mode("batch_invariant"):
+    batch, *_ = _batch(_model())
+    single = Trainer(_model(), TrainConfig(chunk_rows=8, sampling=SAMPLING))
+    mesh = mesh_lib.make_mesh(data=4, fsdp=2, model=1)
+    sharded = Trainer(_model(), TrainConfig(chunk_rows=8, sampling=SAMPLING), mesh=mesh)
+    plan = sharded.plan(batch)
+    assert plan[0][0][0][0].sharding.spec[0] == mesh_lib.BATCH_AXES  # rows over data x fsdp
+    expected, _ = single.gradients(single.plan(batch)[0])
+    grads, _ = sharded.gradients(plan[0])
+    # The batch's sampler log-probs are the single-device forward's (`_batch`): a last-bit
+    # difference in any response token of any row would show here.
+    stats = sharded.step(batch)
+  assert stats["logp_abs_diff_max"] == 0.0 and stats["kl_sample_train"] == 0.0
+  for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=2e-5, atol=1e-7)
+  with pytest.raises(ValueError, match=r"rl.chunk_rows=6 is not a multiple of the mesh's data x "
+                                       r"fsdp = 8"):
+    Trainer(_model(), TrainConfig(chunk_rows=6, sampling=SAMPLING), mesh=mesh)

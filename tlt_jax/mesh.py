@@ -39,9 +39,11 @@ PARAM_LOGICAL_AXES: tuple[tuple[str, tuple], ...] = (
     (r"(norm|layernorm)/weight$", (None,)),
 )
 
+BATCH_AXES = ("data", "fsdp")  # the mesh axes a batch's rows are split over
+
 LOGICAL_TO_MESH: dict[str | None, str | tuple[str, ...] | None] = {
     "vocab": "model", "embed": "fsdp", "heads": "model", "mlp": "model", None: None,
-    "batch": ("data", "fsdp"),
+    "batch": BATCH_AXES,
 }
 
 

@@ -256,13 +256,20 @@ def plan(c: ml_collections.ConfigDict, *, name: str = "config", lower: bool = Tr
                   sum(x.global_bytes for x in rows), total, "",
                   f"always {_g(phase['always'])} + max(rollout {_g(phase['rollout'])}, "
                   f"train {_g(phase['train'])})"))
+  gathered = (base.global_bytes + train_n.global_bytes) / (data * model_ax)
   with ops.numerics_mode(c.numerics, c.numerics_backend):
     kernels = ops.backend()
   notes = [remat_note] + ([f"rl.chunk_rows={c.rl.chunk_rows} is not a multiple of data x "
                            f"fsdp={shards.batch}: every device holds the whole chunk"]
                           if c.rl.chunk_rows % shards.batch else []) + [
-      "assumed: engine and trainer both lay out on c.mesh (train.py today gives the Trainer no "
-      "mesh and replicates the engine over each rollout group's devices)",
+      "assumed: engine and trainer both lay out on c.mesh as XLA partitions them. train.py "
+      "today replicates the engine over each rollout group's devices, and runs the trainer on "
+      "c.mesh over one process's devices (several processes: a replica per process, data-"
+      "parallel over its devices)"] + ([
+      "the batch-invariant trainer runs its forward in shard_map over data x fsdp: parameters "
+      f"are gathered over fsdp at its entry, up to {_g(gathered)} GiB per device at once if XLA "
+      "does not schedule the gathers per layer (counted above as per-layer)"]
+      if c.numerics == "batch_invariant" and fsdp > 1 else []) + [
       f"traced and lowered with numerics={c.numerics!r} ({kernels} kernels on this host; the "
       "batch-invariant kernels save the same residuals on every backend)"]
   usable = c.plan.device_memory_gib * c.plan.headroom

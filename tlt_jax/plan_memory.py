@@ -119,6 +119,9 @@ class _ShapeTrainer(Trainer):
 
   def __init__(self, cfg: TrainConfig, graphdef, frozen, tx=None):  # noqa: D107 (no super)
     self.cfg, self.graphdef, self.frozen, self.tx = cfg, graphdef, frozen, tx
+    # Lowered under GSPMD on the plan's mesh. The batch-invariant trainer runs its forward in
+    # shard_map with the parameters gathered whole per device; `plan` adds that copy as a row.
+    self.mesh = None
 
 
 def _train_inputs(c):

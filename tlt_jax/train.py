@@ -141,6 +141,22 @@ def spot_config(c, *, online: bool = True):
                     loss=DrafterLossConfig(unroll=t.drafter_unroll), seed=c.seed)
 
 
+def train_mesh(c):
+  """The trainer's mesh: `config.mesh` over this process's devices. In a multi-process run each
+  process trains a replica on the gathered batch (identical inputs, identical programs), data-
+  parallel over its own devices; one trainer mesh across hosts is not built yet."""
+  import jax  # noqa: PLC0415
+
+  from tlt_jax import mesh as mesh_lib  # noqa: PLC0415
+
+  if jax.process_count() > 1:
+    return mesh_lib.make_mesh(-1, 1, 1, jax.local_devices())
+  try:
+    return mesh_lib.mesh_from_config(c.mesh, jax.local_devices())
+  except ValueError as e:
+    raise ValueError(f"config.mesh: {e}") from None
+
+
 def build_rollout(c, model, eos_ids, drafter=None):
   """The rollout engines of the config: `rollout.groups` data-parallel groups over the local
   devices, with the tuner's SD arms when TLT is on (plain decode otherwise)."""
@@ -238,7 +254,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
       epochs=rl.epochs, eps_low=rl.eps_low if rl.eps_low >= 0 else None,
       eps_high=rl.eps_high if rl.eps_high >= 0 else None, kl_coef=rl.kl_coef,
       kl_estimator=rl.kl_estimator, tis_cap=rl.tis_cap, max_response_len=r.max_new_tokens,
-      chunk_rows=rl.chunk_rows, sampling=sampling))
+      chunk_rows=rl.chunk_rows, sampling=sampling), mesh=train_mesh(c))
   train_len = r.max_prompt_len + r.max_new_tokens
   data = iter(prompt_dataset(train_rows, batch_size=r.prompts_per_step, seed=c.seed,
                              process_index=jax.process_index(),

@@ -28,6 +28,7 @@ logits (`rollout.sampling.masked_logits`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from tlt_jax import mesh as mesh_lib
 from tlt_jax import ops
@@ -58,7 +60,7 @@ class TrainConfig:
   kl_estimator: str = "k3"
   tis_cap: float = 2.0        # truncated importance sampling cap; 0 = off
   max_response_len: int = 0   # Dr. GRPO's constant normaliser (tokens)
-  chunk_rows: int = 16        # rows per length-bucketed chunk (a multiple of the data mesh size)
+  chunk_rows: int = 16        # rows per length-bucketed chunk (a multiple of data x fsdp)
   length_bucket: int = 32     # chunks are padded to a multiple of this many tokens
   sampling: SamplingParams = SamplingParams()
 
@@ -147,6 +149,11 @@ class Trainer:
   def __init__(self, model: nnx.Module, cfg: TrainConfig, mesh: jax.sharding.Mesh | None = None):
     self.cfg = cfg
     self.mesh = mesh
+    if mesh is not None:
+      row_shards = math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
+      if cfg.chunk_rows % row_shards:
+        raise ValueError(f"rl.chunk_rows={cfg.chunk_rows} is not a multiple of the mesh's "
+                         f"data x fsdp = {row_shards}: each device takes whole rows of a chunk")
     has_lora = bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
     self.full_finetune = not has_lora
     wrt = nnx.LoRAParam if has_lora else nnx.Param
@@ -157,6 +164,12 @@ class Trainer:
     self.tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
                           optax.adamw(schedule, weight_decay=cfg.weight_decay))
     self.opt_state = self.tx.init(self.trainable)
+    if mesh is not None:  # scalars (the step count) too: a restored state keeps these shardings
+      on_mesh = set(mesh.devices.flat)
+      replicated = jax.sharding.NamedSharding(mesh, P())
+      self.opt_state = jax.tree.map(
+          lambda x: x if x.sharding.device_set == on_mesh else jax.device_put(x, replicated),
+          self.opt_state)
     # Reference for the KL term: LoRA off (zeroed adapters give exactly the base model), or the
     # initial weights under full fine-tuning.
     self.reference = None
@@ -183,8 +196,23 @@ class Trainer:
   # -- device functions
 
   def _logprobs(self, params, tokens):
-    return policy_logprobs(nnx.merge(self.graphdef, params, self.frozen), tokens,
-                           self.cfg.sampling)
+    def rows_logprobs(params, frozen, tokens):
+      return policy_logprobs(nnx.merge(self.graphdef, params, frozen), tokens, self.cfg.sampling)
+    if self.mesh is None or ops.numerics() != "batch_invariant":
+      return rows_logprobs(params, self.frozen, tokens)  # XLA partitions it (GSPMD)
+    # Batch-invariant kernels run per device on that device's whole rows: XLA cannot partition
+    # a Pallas call (it would gather the batch onto every device), and the blocked twin's
+    # lax.map over a sharded row axis gathers too. Row invariance makes each row's log-probs
+    # bitwise the single-device ones; autodiff sums the parameter gradients over the batch
+    # axes (psum). Parameters are gathered over fsdp for the whole forward. The model axis
+    # stays with XLA (tensor parallel, as the memory plan assumes): with mesh.model > 1 a row's
+    # matmuls are split into partial sums + an all-reduce, another reduction order than the
+    # unsplit sampler's, so its log-probs may differ in the last bits (`logp_abs_diff_max`
+    # says by how much). Bitwise sampler == trainer needs mesh.model == 1 today.
+    rows = P(mesh_lib.BATCH_AXES)
+    return jax.shard_map(rows_logprobs, mesh=self.mesh, in_specs=(P(), P(), rows),
+                         out_specs=(rows, rows), axis_names=set(mesh_lib.BATCH_AXES))(
+                             params, self.frozen, tokens)
 
   def _mismatch(self, trainer_logp, sampler_logp, mask, entropy):
     """Importance weights and the sampler/trainer statistics, from the trainer's log-probs at
