@@ -1,6 +1,7 @@
 """One process of tests/test_multiprocess.py: `python tests/multiprocess_worker.py PID PORT WORKDIR
-OUT.json` runs one RL step of tiny_arith:smoke with TLT on, as process PID of 2 (gloo on CPU,
-2 host devices each), and writes its summary to OUT.json."""
+OUT.json` runs two RL steps of tiny_arith:smoke with TLT on, as process PID of 2 (gloo on CPU,
+2 host devices each), and writes its summary to OUT.json. Step 2 trains the drafter on step
+1's rollouts (the buffer is empty before that)."""
 
 import json
 import os
@@ -21,18 +22,21 @@ def main(pid: int, port: int, workdir: str, out: str) -> None:
   c.distributed.coordinator_address = f"127.0.0.1:{port}"
   c.distributed.num_processes, c.distributed.process_id = 2, pid
   c.workdir = workdir
-  c.rl.steps = 1
+  c.rl.steps = 2
   c.rollout.prompts_per_step, c.rollout.group_size = 2, 2
   c.rollout.max_new_tokens, c.rollout.buckets = 24, (2,)
   c.rollout.groups = 2  # one group per local device: the drafter trains on a finished group's
   c.tlt.enabled, c.tlt.arms, c.tlt.row_len = True, "chain2", 64
+  # At this size both groups finish in the same chunk, leaving no idle time: a share above 1
+  # lends a group to the drafter while it still decodes, so step 2 trains on both processes.
+  c.tlt.min_live_share = 1.01
   c.eval.num_problems = 2
   c.checkpoint.export_merged = False
   c.metrics.plots = c.metrics.tensorboard = False
   summary = train.run(c, "multiprocess")
   with open(out, "w") as f:
-    json.dump({k: summary.get(k) for k in ("trainable_sha256", "eval_accuracy_after",
-                                             "processes", "steps")}, f)
+    json.dump({k: summary.get(k) for k in ("trainable_sha256", "drafter_sha256",
+                                           "eval_accuracy_after", "processes", "steps")}, f)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Two processes on 127.0.0.1 (gloo collectives on CPU, 2 host devices each) run one RL step of
+"""Two processes on 127.0.0.1 (gloo collectives on CPU, 2 host devices each) run two RL steps of
 the smoke config with TLT on: each decodes its own prompts (with spot drafter training on its
 own devices), the rollouts are gathered, and both train on the whole batch. They must agree:
-bitwise-equal LoRA weights and equal step metrics, and the checkpoint is written once."""
+bitwise-equal LoRA weights, one drafter (the barrier averages the processes' drafters), equal
+step metrics, and the checkpoint is written once."""
 
 import json
 import os
@@ -42,16 +43,22 @@ def test_two_processes_run_one_rl_step_with_tlt_and_agree(tmp_path):
   out = [json.loads((tmp_path / f"out{pid}.json").read_text()) for pid in (0, 1)]
   assert out[0]["processes"] == 2 and len(out[0]["trainable_sha256"]) == 64
   assert out[0]["trainable_sha256"] == out[1]["trainable_sha256"]
+  # Each process trained its drafter on its own rollouts; the barrier averaged them into one.
+  assert out[0]["drafter_sha256"] == out[1]["drafter_sha256"]
   assert out[0]["eval_accuracy_after"] == out[1]["eval_accuracy_after"]
 
   rows = [[r for r in metrics.read_jsonl(os.path.join(d, "metrics.jsonl")) if "reward_mean" in r]
           for d in (workdir, workdir / "process_1")]
-  assert len(rows[0]) == len(rows[1]) == 1
-  shared = {k: v for k, v in rows[0][0].items()
-            if k not in LOCAL and not k.startswith("drafter_")}
-  assert shared == {k: rows[1][0][k] for k in shared}
+  assert len(rows[0]) == len(rows[1]) == 2
+  for step in (0, 1):
+    shared = {k: v for k, v in rows[0][step].items()
+              if k not in LOCAL and not k.startswith("drafter_")}
+    assert shared == {k: rows[1][step][k] for k in shared}
+  # Step 2 had data to train the drafter on; both processes publish the same version.
+  assert rows[0][1]["drafter_steps"] + rows[1][1]["drafter_steps"] > 0
+  assert rows[0][1]["drafter_published"] == rows[1][1]["drafter_published"] == 1
   # Both processes decoded with the drafter, each on its own prompts (its own buffer).
   assert rows[0][0]["accept_len"] > 0 and rows[1][0]["accept_len"] > 0
   assert sorted(os.listdir(workdir / "drafter_buffer")) == ["process_0", "process_1"]
-  assert sorted(os.listdir(workdir / "checkpoints")) == ["1"]
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["2"]
   assert (workdir / "summary.json").exists() and not (workdir / "process_1" / "summary.json").exists()

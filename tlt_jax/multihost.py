@@ -61,6 +61,42 @@ def gather_json(value) -> list:
   return [json.loads(bytes(row[:n]).decode()) for row, n in zip(everyone, lengths.reshape(-1))]
 
 
+def sync_drafter(params, opt_state, steps: int):
+  """Every process's drafter after its spot steps of this rollout -> one drafter for all.
+
+  Each process trains its drafter on its own rollouts, in its own idle time, so the processes
+  take different numbers of steps on different data. At the barrier their parameters and AdamW
+  moments are averaged, each process weighted by the steps it took this rollout (a process
+  that had no idle time adds nothing), and the step count is the largest (Adam's bias
+  correction). The average is computed on the host in float64, in process order, from the same
+  gathered values, so every process ends with bitwise the same state: all serve the same
+  drafter version and the checkpoint's (process 0's) drafter is everyone's.
+
+  Returns (params, opt_state, total steps of all processes); unchanged when nobody stepped."""
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  steps_P = np.asarray(multihost_utils.process_allgather(np.array([steps], np.int64))).reshape(-1)
+  total = int(steps_P.sum())
+  if total == 0:
+    return params, opt_state, 0
+  weight_P = steps_P / total
+  leaves, treedef = jax.tree.flatten((params, opt_state))
+  host = [np.asarray(jax.device_get(x)) for x in leaves]
+  gathered = multihost_utils.process_allgather(host)  # each leaf with a leading process axis
+
+  def average(stacked, old):
+    stacked = np.asarray(stacked)
+    if np.issubdtype(stacked.dtype, np.floating):
+      mean = np.tensordot(weight_P, stacked.astype(np.float64), axes=1).astype(stacked.dtype)
+    else:
+      mean = stacked.max(axis=0)
+    return jax.device_put(mean, old.sharding)
+
+  synced = [average(g, old) for g, old in zip(gathered, leaves)]
+  params, opt_state = jax.tree.unflatten(treedef, synced)
+  return params, opt_state, total
+
+
 def fingerprint(tree) -> str:
   """sha256 of every leaf's bytes, in tree order: equal iff the processes' weights are bitwise
   equal."""

@@ -360,7 +360,11 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
       # drafter_version: the weights this rollout drafted with (drafter_published: after it).
       tlt_record = {"drafter_version": engine.drafter_version, "buffer_tokens": buffer.num_tokens}
     if spot is not None:
-      if report.drafter_steps:
+      published_steps = report.drafter_steps
+      if multi:  # one drafter for all processes: their step-weighted average
+        spot.params, spot.opt_state, published_steps = multihost.sync_drafter(
+            spot.params, spot.opt_state, report.drafter_steps)
+      if published_steps:
         engine.update_drafter(*spot.publish())  # served from the next rollout on
       tlt_record.update(drafter_published=spot.version, drafter_steps=report.drafter_steps,
                         idle_device_s=report.idle_device_s,
@@ -442,9 +446,11 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   ckpt.close()
   # Processes hold their own copy of the trained weights: their fingerprints must agree.
   fingerprint = multihost.fingerprint(trainer.trainable) if multi else None
+  drafter_fingerprint = multihost.fingerprint(spot.params) if multi and spot else None
   if not primary:
     return {"workdir": workdir, "process_index": pid, "eval_after": eval_after,
-            "eval_accuracy_after": eval_after["accuracy"], "trainable_sha256": fingerprint}
+            "eval_accuracy_after": eval_after["accuracy"], "trainable_sha256": fingerprint,
+            "drafter_sha256": drafter_fingerprint}
   if c.checkpoint.export_adapter and c.lora.rank > 0:
     ckpt_lib.export_adapter(trainer.policy(), os.path.join(workdir, "export", "adapter"),
                             base_model_name_or_path=os.path.abspath(c.model.hf_dir))
@@ -472,7 +478,8 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
       "reward_last": steps_run[-1]["reward_mean"] if steps_run else None,
       "wall_s": time.perf_counter() - t_start, "compile_s": compile_s, **totals,
       "data": data_report, "plots": [os.path.relpath(p, workdir) for p in plots],
-      **({"processes": jax.process_count(), "trainable_sha256": fingerprint} if multi else {}),
+      **({"processes": jax.process_count(), "trainable_sha256": fingerprint,
+          "drafter_sha256": drafter_fingerprint} if multi else {}),
   }
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
