@@ -24,7 +24,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def test_two_processes_run_one_rl_step_with_tlt_and_agree(tmp_path):
+def test_two_processes_run_rl_steps_with_tlt_and_agree(tmp_path):
   port, workdir = _free_port(), tmp_path / "run"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   procs = [subprocess.Popen([sys.executable, WORKER, str(pid), str(port), str(workdir),

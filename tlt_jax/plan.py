@@ -260,7 +260,7 @@ def plan(c: ml_collections.ConfigDict, *, name: str = "config", lower: bool = Tr
   with ops.numerics_mode(c.numerics, c.numerics_backend):
     kernels = ops.backend()
   notes = [remat_note] + ([f"rl.chunk_rows={c.rl.chunk_rows} is not a multiple of data x "
-                           f"fsdp={shards.batch}: every device holds the whole chunk"]
+                           f"fsdp={shards.batch}: the trainer refuses it (each device takes whole rows)"]
                           if c.rl.chunk_rows % shards.batch else []) + [
       "assumed: engine and trainer both lay out on c.mesh as XLA partitions them. train.py "
       "today replicates the engine over each rollout group's devices, and runs the trainer on "

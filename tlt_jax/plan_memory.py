@@ -120,7 +120,7 @@ class _ShapeTrainer(Trainer):
   def __init__(self, cfg: TrainConfig, graphdef, frozen, tx=None):  # noqa: D107 (no super)
     self.cfg, self.graphdef, self.frozen, self.tx = cfg, graphdef, frozen, tx
     # Lowered under GSPMD on the plan's mesh. The batch-invariant trainer runs its forward in
-    # shard_map with the parameters gathered whole per device; `plan` adds that copy as a row.
+    # shard_map over data x fsdp (parameters gathered over fsdp); `plan` notes that gather.
     self.mesh = None
 
 
