@@ -1,7 +1,9 @@
 """One process of tests/test_multiprocess.py: `python tests/multiprocess_worker.py PID PORT WORKDIR
-OUT.json` runs two RL steps of tiny_arith:smoke with TLT on, as process PID of 2 (gloo on CPU,
-2 host devices each), and writes its summary to OUT.json. Step 2 trains the drafter on step
-1's rollouts (the buffer is empty before that)."""
+OUT.json` runs RL step 1 of tiny_arith:smoke with TLT on, then a second job that resumes from its
+checkpoint and runs step 2, as process PID of 2 (gloo on CPU, 2 host devices each), and writes
+both summaries to OUT.json. Step 2 trains the drafter on step 1's rollouts (the buffer is empty
+before that). The second job reuses the first's compiled programs (same process). The trainer's mesh is fsdp over all 4 devices,
+so its parameters and optimizer state are sharded across the two processes."""
 
 import json
 import os
@@ -16,15 +18,16 @@ from tlt_jax import config as config_lib  # noqa: E402
 from tlt_jax import train  # noqa: E402
 
 
-def main(pid: int, port: int, workdir: str, out: str) -> None:
+def job(pid: int, port: int, workdir: str, steps: int) -> dict:
   c = config_lib.load_config_file(os.path.join(ROOT, "experiments", "configs", "tiny_arith.py"),
                                   "smoke")
   c.distributed.coordinator_address = f"127.0.0.1:{port}"
   c.distributed.num_processes, c.distributed.process_id = 2, pid
   c.workdir = workdir
-  c.rl.steps = 2
+  c.rl.steps = steps
+  c.mesh.data, c.mesh.fsdp = 1, 4
   c.rollout.prompts_per_step, c.rollout.group_size = 2, 2
-  c.rollout.max_new_tokens, c.rollout.buckets = 24, (2,)
+  c.rollout.max_new_tokens, c.rollout.buckets = 40, (2,)
   c.rollout.groups = 2  # one group per local device: the drafter trains on a finished group's
   c.tlt.enabled, c.tlt.arms, c.tlt.row_len = True, "chain2", 64
   # At this size both groups finish in the same chunk, leaving no idle time: a share above 1
@@ -34,9 +37,14 @@ def main(pid: int, port: int, workdir: str, out: str) -> None:
   c.checkpoint.export_merged = False
   c.metrics.plots = c.metrics.tensorboard = False
   summary = train.run(c, "multiprocess")
+  return {k: summary.get(k) for k in ("trainable_sha256", "drafter_sha256", "eval_accuracy_after",
+                                      "processes", "steps", "train_mesh", "resumed_from")}
+
+
+def main(pid: int, port: int, workdir: str, out: str) -> None:
+  summaries = [job(pid, port, workdir, steps) for steps in (1, 2)]
   with open(out, "w") as f:
-    json.dump({k: summary.get(k) for k in ("trainable_sha256", "drafter_sha256",
-                                           "eval_accuracy_after", "processes", "steps")}, f)
+    json.dump(summaries, f)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Two processes on 127.0.0.1 (gloo collectives on CPU, 2 host devices each) run two RL steps of
-the smoke config with TLT on: each decodes its own prompts (with spot drafter training on its
-own devices), the rollouts are gathered, and both train on the whole batch. They must agree:
-bitwise-equal LoRA weights, one drafter (the barrier averages the processes' drafters), equal
-step metrics, and the checkpoint is written once."""
+the smoke config with TLT on, the second in a job resumed from the first's checkpoint: each
+decodes its own prompts (with spot drafter training on its own devices), the rollouts are
+gathered, and one trainer, fsdp-sharded over both processes' devices, trains on the whole
+batch. They must agree: bitwise-equal LoRA weights, one drafter (the barrier averages the
+processes' drafters), equal step metrics, sampler log-probs equal to the cross-host trainer's
+bitwise, and each checkpoint written once."""
 
 import json
 import os
@@ -24,7 +26,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def test_two_processes_run_rl_steps_with_tlt_and_agree(tmp_path):
+def test_two_processes_run_rl_steps_with_tlt_resume_and_agree(tmp_path):
   port, workdir = _free_port(), tmp_path / "run"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   procs = [subprocess.Popen([sys.executable, WORKER, str(pid), str(port), str(workdir),
@@ -40,9 +42,19 @@ def test_two_processes_run_rl_steps_with_tlt_and_agree(tmp_path):
       raise
   for pid, (p, log) in enumerate(zip(procs, logs)):
     assert p.returncode == 0, f"process {pid}:\n{log[-4000:]}"
-  out = [json.loads((tmp_path / f"out{pid}.json").read_text()) for pid in (0, 1)]
+  # Per process: [the step-1 job, the job that resumed from its checkpoint for step 2].
+  (first_0, out_0), (first_1, out_1) = (
+      json.loads((tmp_path / f"out{pid}.json").read_text()) for pid in (0, 1))
+  first, out = [first_0, first_1], [out_0, out_1]
+  assert first[0]["trainable_sha256"] == first[1]["trainable_sha256"]
+  assert [o["resumed_from"] for o in first + out] == [None, None, 1, 1]
   assert out[0]["processes"] == 2 and len(out[0]["trainable_sha256"]) == 64
   assert out[0]["trainable_sha256"] == out[1]["trainable_sha256"]
+  # Step 2 moved the weights (its AdamW moments came back from step 1's checkpoint).
+  assert out[0]["trainable_sha256"] != first[0]["trainable_sha256"]
+  # One trainer over both processes' devices, not a replica per process.
+  for o in first + out:
+    assert o["train_mesh"] == {"data": 1, "fsdp": 4, "model": 1, "processes": 2}
   # Each process trained its drafter on its own rollouts; the barrier averaged them into one.
   assert out[0]["drafter_sha256"] == out[1]["drafter_sha256"]
   assert out[0]["eval_accuracy_after"] == out[1]["eval_accuracy_after"]
@@ -54,11 +66,16 @@ def test_two_processes_run_rl_steps_with_tlt_and_agree(tmp_path):
     shared = {k: v for k, v in rows[0][step].items()
               if k not in LOCAL and not k.startswith("drafter_")}
     assert shared == {k: rows[1][step][k] for k in shared}
-  # Step 2 had data to train the drafter on; both processes publish the same version.
+    # Batch-invariant numerics with the trainer's rows split across hosts: still on-policy.
+    assert rows[0][step]["logp_abs_diff_max"] == 0.0 and rows[0][step]["kl_sample_train"] == 0.0
+  # A group with mixed rewards (step 1 at these seeds) sent a nonzero gradient across the hosts.
+  assert max(r["grad_norm"] for r in rows[0]) > 0
+  # Step 2 trained the drafter on step 1's rollouts (the spilled buffer, reloaded on resume);
+  # both processes publish the same version.
   assert rows[0][1]["drafter_steps"] + rows[1][1]["drafter_steps"] > 0
   assert rows[0][1]["drafter_published"] == rows[1][1]["drafter_published"] == 1
   # Both processes decoded with the drafter, each on its own prompts (its own buffer).
   assert rows[0][0]["accept_len"] > 0 and rows[1][0]["accept_len"] > 0
   assert sorted(os.listdir(workdir / "drafter_buffer")) == ["process_0", "process_1"]
-  assert sorted(os.listdir(workdir / "checkpoints")) == ["2"]
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2"]
   assert (workdir / "summary.json").exists() and not (workdir / "process_1" / "summary.json").exists()

@@ -2,6 +2,7 @@
 speculative sampling in distribution (rejection), the mid-rollout SD switch, no compile after
 warm-up, the tuner, and bad input. All in batch-invariant numerics (what makes them bitwise)."""
 
+import collections
 import dataclasses
 import functools
 
@@ -233,6 +234,8 @@ def test_a_broken_acceptance_rule_fails_the_distribution_test(monkeypatch):
     return jnp.concatenate([drafts_BxK, bonus], axis=1), jnp.ones_like(accept)
 
   monkeypatch.setattr(engine_lib, "_rejection_emit", accept_everything)
+  # Engines share compiled programs: the patched rule gets programs of its own, dropped after.
+  monkeypatch.setattr(engine_lib, "_SHARED_PROGRAMS", collections.OrderedDict())
   target, engine = _rejection_engine()
   prompt = [1, 5, 7]
   counts = _first_two_counts(engine, prompt, 20_000)

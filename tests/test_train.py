@@ -69,56 +69,59 @@ def _assert_same_adapter(a, b):
     np.testing.assert_array_equal(a[k], b[k])
 
 
-def test_tlt_changes_nothing_but_time(tmp_path):
+def _short_config(workdir, steps: int, tlt: bool = False):
+  """Two-bucket smoke runs of a few steps, checkpointed every step."""
+  c = _config()
+  c.workdir, c.rl.steps = str(workdir), steps
+  c.eval.num_problems, c.checkpoint.every = 8, 1
+  c.rollout.buckets = (4, 16)
+  c.metrics.plots = c.metrics.tensorboard = False
+  if tlt:
+    c.rollout.groups = 2
+    c.tlt.enabled, c.tlt.arms, c.tlt.rows, c.tlt.row_len = True, "chain3", 4, 64
+  return c
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+  """Two steps straight, SD off: the reference of the TLT and the resume tests."""
+  workdir = tmp_path_factory.mktemp("plain")
+  return workdir, train.run(_short_config(workdir, 2))
+
+
+def test_tlt_changes_nothing_but_time(plain_run, tmp_path):
   """Speculative decoding (gumbel) across two rollout groups with the drafter trained on idle
   devices gives the run without any of it: same tokens (so rewards), losses and LoRA params."""
-  def config(workdir, tlt):
-    c = _config()
-    c.workdir, c.rl.steps = str(workdir), 2
-    c.eval.num_problems = 8
-    c.rollout.buckets = (4, 16)
-    c.metrics.plots = c.metrics.tensorboard = False
-    if tlt:
-      c.rollout.groups = 2
-      c.tlt.enabled, c.tlt.arms, c.tlt.rows, c.tlt.row_len = True, "chain3", 4, 64
-    return c
-
-  off = train.run(config(tmp_path / "off", False))
-  on = train.run(config(tmp_path / "on", True))
+  off_dir, off = plain_run
+  on = train.run(_short_config(tmp_path / "on", 2, tlt=True))
   assert on["tlt"] and on["spot_training"] and not off["tlt"]
   assert on["drafter_steps"] > 0  # the drafter really trained during the rollouts
   records = metrics.read_jsonl(str(tmp_path / "on" / "metrics.jsonl"))
   assert max(r.get("sd_chunk_fraction", 0.0) for r in records) > 0.0  # and SD really ran
   assert max(r.get("drafter_published", 0) for r in records) >= 1  # new weights went out
   drop = TIMING | TLT_ONLY
-  assert _rows(tmp_path / "off", drop) == _rows(tmp_path / "on", drop)
-  _assert_same_adapter(_adapter(tmp_path / "off"), _adapter(tmp_path / "on"))
+  assert _rows(off_dir, drop) == _rows(tmp_path / "on", drop)
+  _assert_same_adapter(_adapter(off_dir), _adapter(tmp_path / "on"))
 
 
-def test_resume_is_bitwise(tmp_path):
-  def config(workdir, steps):
-    c = _config()
-    c.workdir, c.rl.steps = str(workdir), steps
-    c.eval.num_problems, c.checkpoint.every = 8, 1
-    c.rollout.buckets = (4, 16)
-    c.metrics.plots = c.metrics.tensorboard = False
-    return c
-
-  train.run(config(tmp_path / "straight", 3))
-  train.run(config(tmp_path / "resumed", 1))
-  summary = train.run(config(tmp_path / "resumed", 3))
+def test_resume_is_bitwise(plain_run, tmp_path):
+  """2 steps straight == 1 step, stop, resume, 1 step: the same data order, rewards, losses,
+  statistics, adapter, and final checkpoint leaf by leaf."""
+  straight_dir, _ = plain_run
+  train.run(_short_config(tmp_path / "resumed", 1))
+  summary = train.run(_short_config(tmp_path / "resumed", 2))
   assert summary["resumed_from"] == 1
 
-  def rows(name):  # same data order, rewards, losses, statistics
-    return [r for r in _rows(tmp_path / name) if "reward_mean" in r]
+  def rows(workdir):
+    return [r for r in _rows(workdir) if "reward_mean" in r]
 
-  assert rows("straight") == rows("resumed")
-  _assert_same_adapter(_adapter(tmp_path / "straight"), _adapter(tmp_path / "resumed"))
+  assert len(rows(straight_dir)) == 2 and rows(straight_dir) == rows(tmp_path / "resumed")
+  _assert_same_adapter(_adapter(straight_dir), _adapter(tmp_path / "resumed"))
   import orbax.checkpoint as ocp
 
   for item in ("params", "opt_state"):  # the final checkpoints, leaf by leaf
-    a, b = (ocp.StandardCheckpointer().restore(str(tmp_path / name / "checkpoints" / "3" / item))
-            for name in ("straight", "resumed"))
+    a, b = (ocp.StandardCheckpointer().restore(str(workdir / "checkpoints" / "2" / item))
+            for workdir in (straight_dir, tmp_path / "resumed"))
     assert len(jax.tree.leaves(a)) == len(jax.tree.leaves(b)) > 0
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -97,9 +97,9 @@ def test_reference_is_the_model_with_lora_off():
   with ops.numerics_mode("batch_invariant"):
     trainer = Trainer(_model(), TrainConfig(kl_coef=0.1, sampling=SAMPLING))
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 32, (2, 8)), jnp.int32)
-    ref_logp, _ = trainer._logprobs(trainer.reference, tokens)
+    ref_logp, _ = trainer.fns._logprobs(trainer.reference, trainer.frozen, tokens)
     base_logp, _ = policy_logprobs(_model(with_lora=False), tokens, SAMPLING)
-    policy_logp, _ = trainer._logprobs(trainer.trainable, tokens)
+    policy_logp, _ = trainer.fns._logprobs(trainer.trainable, trainer.frozen, tokens)
   np.testing.assert_array_equal(np.asarray(ref_logp), np.asarray(base_logp))
   assert not np.array_equal(np.asarray(policy_logp), np.asarray(base_logp))
 

@@ -63,10 +63,11 @@ def _restore_target(leaf):
   return leaf
 
 
-# Several processes: Orbax writes global arrays. The run's state lives per process (each holds the
-# same trained params on its own devices, tlt_jax/multihost.py), so every leaf is saved as one
-# array replicated over all processes' devices (process 0's copy is written) and restored onto
-# the devices it came from.
+# Several processes: Orbax writes global arrays. Arrays that already span the processes (the
+# trainer's, sharded over the run's whole mesh) are saved and restored as they are. State that
+# lives per process (each holds the same values on its own devices: the drafter, averaged at
+# every barrier) is saved as one array replicated over all processes' devices (process 0's copy
+# is written) and restored onto the devices it came from.
 
 
 def _replicated_everywhere() -> jax.sharding.NamedSharding:
@@ -75,7 +76,7 @@ def _replicated_everywhere() -> jax.sharding.NamedSharding:
 
 
 def _to_global(x):
-  if not isinstance(x, jax.Array):
+  if not isinstance(x, jax.Array) or not x.is_fully_addressable:
     return x
   sharding = _replicated_everywhere()
   local = x.addressable_data(0)
@@ -83,14 +84,18 @@ def _to_global(x):
   return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
 
+def _process_local(leaf) -> bool:
+  return isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding.is_fully_addressable
+
+
 def _global_target(leaf):
-  if isinstance(leaf, jax.ShapeDtypeStruct):
+  if _process_local(leaf):
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=_replicated_everywhere())
   return leaf
 
 
 def _to_local(restored, target):
-  if isinstance(restored, jax.Array) and isinstance(target, jax.ShapeDtypeStruct):
+  if isinstance(restored, jax.Array) and _process_local(target):
     return jax.device_put(restored.addressable_data(0), target.sharding)
   return restored
 

@@ -133,3 +133,19 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 
 def shard_batch(x: jax.Array, mesh: Mesh) -> jax.Array:
   return jax.device_put(x, batch_sharding(mesh, x.ndim))
+
+
+def to_local(tree):
+  """The same values as process-local arrays on this process's first device: leaves of a mesh
+  that spans several processes (the multi-host trainer's) are all-gathered first, so every
+  process must call this together. Fully addressable leaves come back unchanged."""
+  leaves, treedef = jax.tree.flatten(tree)
+  spanning = [i for i, x in enumerate(leaves)
+              if isinstance(x, jax.Array) and not x.is_fully_addressable]
+  if not spanning:
+    return tree
+  replicated = [NamedSharding(leaves[i].sharding.mesh, P()) for i in spanning]
+  gathered = jax.jit(lambda xs: xs, out_shardings=replicated)([leaves[i] for i in spanning])
+  for i, x in zip(spanning, gathered):
+    leaves[i] = x.addressable_data(0)
+  return jax.tree.unflatten(treedef, leaves)

@@ -1,11 +1,12 @@
 """One RL step across processes: every process decodes its own share of the prompts on its own
-devices, then the rollouts are all-gathered so each process trains on the whole batch.
+devices, then the rollouts are all-gathered so every process holds the whole batch.
 
 The rollout data of a step is small (token ids, sampler log-probs, rewards), so gathering it is
 cheap, and it keeps the update exact: the loss is normalised over the global batch, as in a
 single-process run, which averaging per-process gradients would not do when the processes'
-token counts differ. The train step then runs the same program on the same inputs in every
-process, so the parameters stay bitwise identical without a broadcast.
+token counts differ. The trainer's mesh spans every process's devices (`train.train_mesh`):
+each process feeds the same host batch and each device computes only its own rows, and the
+updated weights are gathered back to every process for its engine (`Trainer.local_policy`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ What is counted, per device, from each array's shard shape on the mesh (`tlt_jax
            KV split; per-token output buffers) and the step transients: the prefill of a whole
            bucket (a second cache, f32 logits over every prompt position) or a decode round;
   train    gradients (accumulated + one chunk's) and one chunk's activations: the residuals
-           JAX's autodiff keeps for the real loss (`Trainer._loss_fn` traced abstractly over
+           JAX's autodiff keeps for the real loss (`StepFunctions._loss_fn` traced abstractly over
            rl.chunk_rows x (max_prompt_len + max_new_tokens) tokens; no remat: the trainer has
            none) plus the largest backward transient (one layer's f32 attention scores, which
            the reference VJP of the batch-invariant attention recomputes, or the f32 logits'
@@ -60,9 +60,11 @@ from tlt_jax import config as config_lib
 from tlt_jax import mesh as mesh_lib
 from tlt_jax import ops
 from tlt_jax.model.drafter import Drafter
-from tlt_jax.plan_memory import (GIB, _abstract_model, _adamw, _bucket_rows, _count, _engine_config,
+from tlt_jax.plan_memory import (GIB, _abstract_model, _bucket_rows, _count, _engine_config,
                                  _lower_programs, _mesh, _residuals, _Shards, _slots_bytes,
-                                 _slots_shape, _slots_shardings, _split, _summary, mesh_sizes)
+                                 _slots_shape, _slots_shardings, _split, _summary, _train_config,
+                                 mesh_sizes)
+from tlt_jax.rl.trainer import make_optimizer
 from tlt_jax.rollout.tuner import Tuner
 
 PHASES = ("always", "rollout", "train")
@@ -229,7 +231,7 @@ def plan(c: ml_collections.ConfigDict, *, name: str = "config", lower: bool = Tr
   m1 = _abstract_model(mcfg, c, 1)
   _, trainable, frozen = _split(m1, full_ft)
   base, train_n = _count(frozen, mesh, L), _count(trainable, mesh, L)
-  opt = _count(jax.eval_shape(_adamw(c).init, trainable), mesh, L)
+  opt = _count(jax.eval_shape(make_optimizer(_train_config(c)).init, trainable), mesh, L)
   ref = 2 if c.rl.kl_coef else 1  # KL reference: a copy (full FT) or zeroed adapters (LoRA)
   rows = [
       Row("params", "always", base.global_bytes, base.device_bytes, _summary(base.by_axes),
@@ -264,8 +266,7 @@ def plan(c: ml_collections.ConfigDict, *, name: str = "config", lower: bool = Tr
                           if c.rl.chunk_rows % shards.batch else []) + [
       "assumed: engine and trainer both lay out on c.mesh as XLA partitions them. train.py "
       "today replicates the engine over each rollout group's devices, and runs the trainer on "
-      "c.mesh over one process's devices (several processes: a replica per process, data-"
-      "parallel over its devices)"] + ([
+      "c.mesh over all devices of the run (several processes: one mesh across the hosts)"] + ([
       "the batch-invariant trainer runs its forward in shard_map over data x fsdp: parameters "
       f"are gathered over fsdp at its entry, up to {_g(gathered)} GiB per device at once if XLA "
       "does not schedule the gathers per layer (counted above as per-layer)"]

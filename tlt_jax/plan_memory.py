@@ -15,7 +15,6 @@ import time
 import jax
 import jax.numpy as jnp
 import ml_collections
-import optax
 from flax import nnx
 from jax.extend import core as jcore
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
@@ -25,7 +24,7 @@ from tlt_jax import ops
 from tlt_jax.model import lora
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import ModelConfig, Transformer
-from tlt_jax.rl.trainer import TrainConfig, Trainer
+from tlt_jax.rl.trainer import StepFunctions, TrainConfig
 from tlt_jax.rollout import engine as engine_lib
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.tuner import OFF, Arm, Tuner, parse_arms
@@ -106,22 +105,6 @@ def _engine_config(c, with_drafter: bool) -> engine_lib.EngineConfig:
       buckets=tuple(r.buckets), max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
       chunk_steps=r.chunk_steps, verification=r.verification, sampling=_sampling(c),
       compaction=r.compaction, seed=c.seed, arms=arms, compilation_cache_dir="")
-
-
-def _adamw(c) -> optax.GradientTransformation:
-  # As Trainer builds it (a warm-up schedule keeps no state beyond adam's count).
-  return optax.chain(optax.clip_by_global_norm(c.rl.max_grad_norm),
-                     optax.adamw(c.rl.lr, weight_decay=c.rl.weight_decay))
-
-
-class _ShapeTrainer(Trainer):
-  """`Trainer`'s own device functions over traced state: no __init__, so nothing is allocated."""
-
-  def __init__(self, cfg: TrainConfig, graphdef, frozen, tx=None):  # noqa: D107 (no super)
-    self.cfg, self.graphdef, self.frozen, self.tx = cfg, graphdef, frozen, tx
-    # Lowered under GSPMD on the plan's mesh. The batch-invariant trainer runs its forward in
-    # shard_map over data x fsdp (parameters gathered over fsdp); `plan` notes that gather.
-    self.mesh = None
 
 
 def _train_inputs(c):
@@ -289,15 +272,16 @@ def _residual_buffers(jaxpr) -> list:
 
 def _residuals(c, mcfg, layers: int, shards: _Shards) -> tuple[float, float]:
   """(global, per-device) bytes autodiff keeps from the forward of one chunk for its backward:
-  what `Trainer._loss_fn`'s pullback closes over, traced (not run) with `layers` layers."""
+  what `StepFunctions._loss_fn`'s pullback closes over, traced (not run) with `layers` layers."""
   graphdef, trainable, frozen = _split(_abstract_model(mcfg, c, layers), c.lora.rank == 0)
   tcfg = _train_config(c)
   chunk, extra = _train_inputs(c)
   reference = trainable if c.rl.kl_coef else None
 
   def pullback_leaves(trainable, frozen, reference, chunk, extra):
-    shim = _ShapeTrainer(tcfg, graphdef, frozen)
-    loss = lambda t: shim._loss_fn(t, reference, jnp.float32(1.0), *chunk, *extra)  # noqa: E731
+    shim = StepFunctions(tcfg, graphdef)
+    loss = lambda t: shim._loss_fn(t, frozen, reference, jnp.float32(1.0),  # noqa: E731
+                                   *chunk, *extra)
     return jax.tree.leaves(jax.vjp(loss, trainable, has_aux=True)[1])
 
   with ops.numerics_mode(c.numerics, c.numerics_backend):
@@ -345,7 +329,10 @@ def _lower_programs(c, mcfg, mesh, shards: _Shards, layers: int, compile_: bool)
       x.shape, x.dtype, sharding=mesh_lib.batch_sharding(mesh, len(x.shape))
       if x.shape and x.shape[0] % shards.batch == 0 else replicated)
   chunk, extra = (tuple(map(batch, x)) for x in _train_inputs(c))
-  tcfg, tx = _train_config(c), _adamw(c)
+  # The trainer's own step functions, lowered under GSPMD on the plan's mesh (mesh=None: no
+  # shard_map). The batch-invariant trainer runs its forward in shard_map over data x fsdp
+  # (parameters gathered over fsdp); `plan` notes that gather.
+  fns = StepFunctions(_train_config(c), graphdef)
   backend = jax.default_backend()
   platform = None if isinstance(mesh, jax.sharding.Mesh) else {"gpu": "cuda"}.get(backend, backend)
   drafter = nnx.eval_shape(lambda: Drafter(mcfg, nnx.Rngs(c.seed + 1))) if c.tlt.enabled else None
@@ -366,8 +353,7 @@ def _lower_programs(c, mcfg, mesh, shards: _Shards, layers: int, compile_: bool)
   i32 = lambda *s: batch(jax.ShapeDtypeStruct(s, jnp.int32))  # noqa: E731
 
   def grad(trainable, frozen, reference, chunk, extra):
-    return _ShapeTrainer(tcfg, graphdef, frozen)._grad_fn(trainable, reference, jnp.float32(1.0),
-                                                          *chunk, *extra)
+    return fns._grad_fn(trainable, frozen, reference, jnp.float32(1.0), *chunk, *extra)
 
   def prefill(p, d, *args):
     return engine_lib._prefill(*models(p, d), ecfg, *args)
@@ -375,13 +361,13 @@ def _lower_programs(c, mcfg, mesh, shards: _Shards, layers: int, compile_: bool)
   def decode(p, d, s, seed):
     return engine_lib._decode_chunk(*models(p, d), ecfg, arm, s, seed)
 
-  opt = jax.eval_shape(tx.init, trainable)
+  opt = jax.eval_shape(fns.tx.init, trainable)
   R, L = chunk[0].shape
   programs = [
-      ("train grad", f"Trainer._grad_fn: forward + backward of the policy loss, {R} x {L} tokens",
+      ("train grad", f"StepFunctions._grad_fn: forward + backward of the policy loss, {R} x {L} tokens",
        grad, (tr, fr, tr if c.rl.kl_coef else None, chunk, extra), ()),
-      ("optimizer update", "Trainer._apply_fn: clip + AdamW",
-       _ShapeTrainer(tcfg, graphdef, None, tx)._apply_fn,
+      ("optimizer update", "StepFunctions._apply_fn: clip + AdamW",
+       fns._apply_fn,
        (tr, _abstract(opt, _shardings(opt, mesh)), tr), (0, 1)),
       ("prefill", f"engine._prefill of {rows} rows x {ecfg.max_prompt_len} tokens", prefill,
        (tparams, dparams, i32(rows, ecfg.max_prompt_len), i32(rows), i32(rows), i32(rows), i32()),

@@ -142,19 +142,20 @@ def spot_config(c, *, online: bool = True):
 
 
 def train_mesh(c):
-  """The trainer's mesh: `config.mesh` over this process's devices. In a multi-process run each
-  process trains a replica on the gathered batch (identical inputs, identical programs), data-
-  parallel over its own devices; one trainer mesh across hosts is not built yet."""
+  """The trainer's mesh: `config.mesh` over all devices of the run. In a multi-process run that
+  is every process's devices: the trainer's state is sharded across hosts (fsdp can span them)
+  and each device computes its own rows of the gathered batch, so no host repeats another's
+  work. Raises ValueError naming `config.mesh` when the devices do not fit it."""
   import jax  # noqa: PLC0415
 
   from tlt_jax import mesh as mesh_lib  # noqa: PLC0415
 
-  if jax.process_count() > 1:
-    return mesh_lib.make_mesh(-1, 1, 1, jax.local_devices())
   try:
-    return mesh_lib.mesh_from_config(c.mesh, jax.local_devices())
+    return mesh_lib.mesh_from_config(c.mesh, jax.devices())
   except ValueError as e:
-    raise ValueError(f"config.mesh: {e}") from None
+    where = (f"{jax.device_count()} devices over {jax.process_count()} processes"
+             if jax.process_count() > 1 else f"{jax.device_count()} devices")
+    raise ValueError(f"config.mesh ({where}): {e}") from None
 
 
 def build_rollout(c, model, eos_ids, drafter=None):
@@ -209,9 +210,10 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   from tlt_jax.tlt.scheduler import SpotTrainer  # noqa: PLC0415
 
   t_start = time.perf_counter()
-  # Several processes (config.distributed): each decodes its share of the prompts, the rollouts
-  # are gathered and every process trains on all of them (tlt_jax/multihost.py). Process 0
-  # writes the metrics, plots, exports and summary; checkpoints are written by all together.
+  # Several processes (config.distributed): each decodes its share of the prompts on its own
+  # devices, the rollouts are gathered (tlt_jax/multihost.py) and one trainer sharded over all
+  # processes' devices trains on them. Process 0 writes the metrics, plots, exports and summary;
+  # checkpoints are written by all together.
   multi, pid = jax.process_count() > 1, jax.process_index()
   primary = pid == 0
   workdir = c.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -248,7 +250,10 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
     spot = SpotTrainer(drafter, model, buffer, spot_config(c))
   buffer_dir = os.path.join(workdir, "drafter_buffer", *([f"process_{pid}"] if multi else []))
   rl = c.rl
-  trainer = Trainer(model, TrainConfig(
+  # The trainer reshards its model onto its mesh in place. Across processes that mesh spans
+  # hosts, so it gets its own copy of the module: the engine and the spot trainer keep process-
+  # local weights (and are handed trainer.local_policy() after each update).
+  trainer = Trainer(nnx.clone(model) if multi else model, TrainConfig(
       algorithm=rl.algorithm, loss=rl.loss, lr=rl.lr, warmup_steps=rl.warmup_steps,
       weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm, minibatches=rl.minibatches,
       epochs=rl.epochs, eps_low=rl.eps_low if rl.eps_low >= 0 else None,
@@ -289,7 +294,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   if latest is not None:
     state, meta = ckpt.restore(run_state(), latest)
     trainer.load_state(state)
-    engine.update_policy(trainer.policy())
+    engine.update_policy(trainer.local_policy())
     data.set_state(meta["data_iterator"][pid] if multi else meta["data_iterator"])
     for e, tuner_state in zip(engine.engines, meta["tuners"][pid] if multi else meta["tuners"]):
       e.tuner.load_state_dict(tuner_state)
@@ -344,7 +349,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
       inner.update(1)
 
     if spot is not None:
-      spot.refresh_data(trainer.policy())  # the window so far, features of the current policy
+      spot.refresh_data(trainer.local_policy())  # the window so far, features of the current policy
     t0 = time.perf_counter()
     rollout_seed = derived_seed(c.seed, PURPOSE_ROLLOUT, step, *([pid] if multi else []))
     samples = engine.generate(prompts, group_size=G, seed=rollout_seed,
@@ -402,7 +407,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
       raise FloatingPointError(f"RL step {step + 1}: {e}. The state before this step is saved in "
                                f"{workdir}/checkpoints/{step}; rerunning with this workdir "
                                "resumes there and skips this batch.") from e
-    engine.update_policy(trainer.policy())
+    engine.update_policy(trainer.local_policy())
     train_s = time.perf_counter() - t0
 
     totals["rollout_s"] += rollout_s
@@ -444,19 +449,24 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   writer.close()
   ckpt.wait()
   ckpt.close()
-  # Processes hold their own copy of the trained weights: their fingerprints must agree.
-  fingerprint = multihost.fingerprint(trainer.trainable) if multi else None
+  # Every process's copy of the trained weights (a gather across hosts: all processes take
+  # part); replicas on different processes must agree bitwise.
+  final_policy = trainer.local_policy()
+  fingerprint = multihost.fingerprint(trainer.local_trainable()) if multi else None
+  mesh_info = {**{k: int(v) for k, v in trainer.mesh.shape.items()},
+               "processes": len({d.process_index for d in trainer.mesh.devices.flat})}
   drafter_fingerprint = multihost.fingerprint(spot.params) if multi and spot else None
   if not primary:
     return {"workdir": workdir, "process_index": pid, "eval_after": eval_after,
             "eval_accuracy_after": eval_after["accuracy"], "trainable_sha256": fingerprint,
-            "drafter_sha256": drafter_fingerprint}
+            "drafter_sha256": drafter_fingerprint, "train_mesh": mesh_info,
+            "resumed_from": start_step or None}
   if c.checkpoint.export_adapter and c.lora.rank > 0:
-    ckpt_lib.export_adapter(trainer.policy(), os.path.join(workdir, "export", "adapter"),
+    ckpt_lib.export_adapter(final_policy, os.path.join(workdir, "export", "adapter"),
                             base_model_name_or_path=os.path.abspath(c.model.hf_dir))
   if c.checkpoint.export_merged:
     merged = os.path.join(workdir, "export", "merged")
-    ckpt_lib.export_merged_hf(trainer.policy(), merged)
+    ckpt_lib.export_merged_hf(final_policy, merged)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
       if os.path.exists(os.path.join(c.model.hf_dir, name)):  # a complete HF checkpoint
         shutil.copy(os.path.join(c.model.hf_dir, name), merged)
@@ -478,6 +488,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
       "reward_last": steps_run[-1]["reward_mean"] if steps_run else None,
       "wall_s": time.perf_counter() - t_start, "compile_s": compile_s, **totals,
       "data": data_report, "plots": [os.path.relpath(p, workdir) for p in plots],
+      "train_mesh": mesh_info,
       **({"processes": jax.process_count(), "trainable_sha256": fingerprint,
           "drafter_sha256": drafter_fingerprint} if multi else {}),
   }

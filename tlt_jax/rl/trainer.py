@@ -27,6 +27,7 @@ logits (`rollout.sampling.masked_logits`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any
@@ -142,64 +143,35 @@ def _zero_lora(trainable):
   return jax.tree.map(jnp.zeros_like, trainable)
 
 
-class Trainer:
-  """Owns the trainable parameters (LoRA, or all of them when the model has no LoRA) and the
-  optimizer state; `policy()` is the current model for the rollout engine."""
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW (after a linear warm-up when `cfg.warmup_steps`)."""
+  schedule = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+  return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
+                     optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
-  def __init__(self, model: nnx.Module, cfg: TrainConfig, mesh: jax.sharding.Mesh | None = None):
-    self.cfg = cfg
-    self.mesh = mesh
-    if mesh is not None:
-      row_shards = math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
-      if cfg.chunk_rows % row_shards:
-        raise ValueError(f"rl.chunk_rows={cfg.chunk_rows} is not a multiple of the mesh's "
-                         f"data x fsdp = {row_shards}: each device takes whole rows of a chunk")
-    has_lora = bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
-    self.full_finetune = not has_lora
-    wrt = nnx.LoRAParam if has_lora else nnx.Param
-    if mesh is not None:
-      mesh_lib.shard_model(model, mesh)
-    self.graphdef, self.trainable, self.frozen = nnx.split(model, wrt, ...)
-    schedule = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
-    self.tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
-                          optax.adamw(schedule, weight_decay=cfg.weight_decay))
-    self.opt_state = self.tx.init(self.trainable)
-    if mesh is not None:  # scalars (the step count) too: a restored state keeps these shardings
-      on_mesh = set(mesh.devices.flat)
-      replicated = jax.sharding.NamedSharding(mesh, P())
-      self.opt_state = jax.tree.map(
-          lambda x: x if x.sharding.device_set == on_mesh else jax.device_put(x, replicated),
-          self.opt_state)
-    # Reference for the KL term: LoRA off (zeroed adapters give exactly the base model), or the
-    # initial weights under full fine-tuning.
-    self.reference = None
-    if cfg.kl_coef:
-      self.reference = (jax.tree.map(jnp.copy, self.trainable) if self.full_finetune
-                        else _zero_lora(self.trainable))
-    self.single_update = cfg.minibatches == 1 and cfg.epochs == 1
-    self._prepare = jax.jit(self._prepare_fn)
-    self._grad = jax.jit(self._grad_fn)
-    self._apply = jax.jit(self._apply_fn, donate_argnums=(0, 1))
-    self._accumulate = jax.jit(lambda total, g: jax.tree.map(jnp.add, total, g))
 
-  # -- what the rest of the run sees
+class StepFunctions:
+  """The train step's device functions for one model structure, config and mesh; they hold no
+  arrays (parameters, the frozen weights and the batch are all arguments), so one set serves
+  every Trainer with that key (`step_functions`), and the memory plan traces them abstractly."""
 
-  def policy(self) -> nnx.Module:
-    return nnx.merge(self.graphdef, self.trainable, self.frozen)
+  def __init__(self, cfg: TrainConfig, graphdef, mesh: jax.sharding.Mesh | None = None):
+    self.cfg, self.graphdef, self.mesh = cfg, graphdef, mesh
+    self.tx = make_optimizer(cfg)
+    self.prepare = jax.jit(self._prepare_fn)
+    self.grad = jax.jit(self._grad_fn)
+    self.apply = jax.jit(self._apply_fn, donate_argnums=(0, 1))
+    self.accumulate = jax.jit(lambda total, g: jax.tree.map(jnp.add, total, g))
 
-  def state(self) -> dict[str, Any]:
-    return {"params": self.trainable, "opt_state": self.opt_state}
+  # The frozen weights are an argument of every device function, never a closed-over constant:
+  # a constant would be baked into the program (the whole base model, for a LoRA run), and
+  # arrays that span processes cannot be constants at all.
 
-  def load_state(self, state: dict[str, Any]) -> None:
-    self.trainable, self.opt_state = state["params"], state["opt_state"]
-
-  # -- device functions
-
-  def _logprobs(self, params, tokens):
+  def _logprobs(self, params, frozen, tokens):
     def rows_logprobs(params, frozen, tokens):
       return policy_logprobs(nnx.merge(self.graphdef, params, frozen), tokens, self.cfg.sampling)
     if self.mesh is None or ops.numerics() != "batch_invariant":
-      return rows_logprobs(params, self.frozen, tokens)  # XLA partitions it (GSPMD)
+      return rows_logprobs(params, frozen, tokens)  # XLA partitions it (GSPMD)
     # Batch-invariant kernels run per device on that device's whole rows: XLA cannot partition
     # a Pallas call (it would gather the batch onto every device), and the blocked twin's
     # lax.map over a sharded row axis gathers too. Row invariance makes each row's log-probs
@@ -212,7 +184,7 @@ class Trainer:
     rows = P(mesh_lib.BATCH_AXES)
     return jax.shard_map(rows_logprobs, mesh=self.mesh, in_specs=(P(), P(), rows),
                          out_specs=(rows, rows), axis_names=set(mesh_lib.BATCH_AXES))(
-                             params, self.frozen, tokens)
+                             params, frozen, tokens)
 
   def _mismatch(self, trainer_logp, sampler_logp, mask, entropy):
     """Importance weights and the sampler/trainer statistics, from the trainer's log-probs at
@@ -227,22 +199,22 @@ class Trainer:
                                                    0.0))
     return (weights if self.cfg.tis_cap else None), stats
 
-  def _prepare_fn(self, trainable, reference, tokens, mask, sampler_logp):
-    old_logp, entropy = self._logprobs(trainable, tokens)
+  def _prepare_fn(self, trainable, frozen, reference, tokens, mask, sampler_logp):
+    old_logp, entropy = self._logprobs(trainable, frozen, tokens)
     weights, stats = self._mismatch(old_logp, sampler_logp, mask, entropy)
-    ref_logp = None if reference is None else self._logprobs(reference, tokens)[0]
+    ref_logp = None if reference is None else self._logprobs(reference, frozen, tokens)[0]
     return old_logp, weights, ref_logp, stats
 
-  def _loss_fn(self, trainable, reference, chunk_weight, tokens, mask, sampler_logp, adv,
+  def _loss_fn(self, trainable, frozen, reference, chunk_weight, tokens, mask, sampler_logp, adv,
                old_logp, weights, ref_logp):
     cfg = self.cfg
-    logp, entropy = self._logprobs(trainable, tokens)
+    logp, entropy = self._logprobs(trainable, frozen, tokens)
     stats = {}
     if old_logp is None:  # the one update: this forward is at the sampling-time parameters
       old_logp = jax.lax.stop_gradient(logp)
       weights, stats = self._mismatch(logp, sampler_logp, mask, entropy)
       if reference is not None:
-        ref_logp = jax.lax.stop_gradient(self._logprobs(reference, tokens)[0])
+        ref_logp = jax.lax.stop_gradient(self._logprobs(reference, frozen, tokens)[0])
     kw = {"max_len": cfg.max_response_len or None, "weights_NxT": weights}
     if cfg.eps_low is not None:
       kw["eps_low"] = cfg.eps_low
@@ -258,8 +230,9 @@ class Trainer:
       stats["kl_ref"] = kl
     return loss * chunk_weight, dict(stats, loss=loss)
 
-  def _grad_fn(self, trainable, reference, chunk_weight, *chunk):
-    return jax.grad(self._loss_fn, has_aux=True)(trainable, reference, chunk_weight, *chunk)
+  def _grad_fn(self, trainable, frozen, reference, chunk_weight, *chunk):
+    return jax.grad(self._loss_fn, has_aux=True)(trainable, frozen, reference, chunk_weight,
+                                                 *chunk)
 
   def _apply_fn(self, trainable, opt_state, grads):
     updates, new_opt_state = self.tx.update(grads, opt_state, trainable)
@@ -271,6 +244,89 @@ class Trainer:
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
     return (jax.tree.map(keep, new_trainable, trainable),
             jax.tree.map(keep, new_opt_state, opt_state), grad_norm)
+
+
+# A second Trainer of the same model structure, config and mesh in this process (a resumed run,
+# a notebook cell run again, the next point of an in-process sweep) reuses the traced and
+# compiled step. The numerics mode is part of jax.jit's own key (ops.py).
+_STEP_FUNCTIONS: collections.OrderedDict[tuple, StepFunctions] = collections.OrderedDict()
+_STEP_FUNCTIONS_LIMIT = 16
+
+
+def step_functions(cfg: TrainConfig, graphdef, mesh: jax.sharding.Mesh | None) -> StepFunctions:
+  key = (cfg, graphdef, mesh)
+  fns = _STEP_FUNCTIONS.pop(key, None) or StepFunctions(cfg, graphdef, mesh)
+  _STEP_FUNCTIONS[key] = fns
+  while len(_STEP_FUNCTIONS) > _STEP_FUNCTIONS_LIMIT:
+    _STEP_FUNCTIONS.popitem(last=False)
+  return fns
+
+
+class Trainer:
+  """Owns the trainable parameters (LoRA, or all of them when the model has no LoRA) and the
+  optimizer state; `local_policy()` is the current model for the rollout engine.
+
+  `mesh` may span several processes (a multi-host run): the state then lives as global arrays,
+  sharded over every process's devices, and each process passes the same (gathered) batch.
+  `model` is resharded in place onto the mesh."""
+
+  def __init__(self, model: nnx.Module, cfg: TrainConfig, mesh: jax.sharding.Mesh | None = None):
+    self.cfg = cfg
+    self.mesh = mesh
+    if mesh is not None:
+      row_shards = math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
+      if cfg.chunk_rows % row_shards:
+        raise ValueError(f"rl.chunk_rows={cfg.chunk_rows} is not a multiple of the mesh's "
+                         f"data x fsdp = {row_shards}: each device takes whole rows of a chunk")
+    has_lora = bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    self.full_finetune = not has_lora
+    wrt = nnx.LoRAParam if has_lora else nnx.Param
+    if mesh is not None:
+      mesh_lib.shard_model(model, mesh)
+    self.graphdef, self.trainable, self.frozen = nnx.split(model, wrt, ...)
+    self.fns = step_functions(cfg, self.graphdef, mesh)
+    self.opt_state = self.fns.tx.init(self.trainable)
+    if mesh is not None:  # scalars (the step count) too: a restored state keeps these shardings
+      on_mesh = set(mesh.devices.flat)
+      replicated = jax.sharding.NamedSharding(mesh, P())
+      self.opt_state = jax.tree.map(
+          lambda x: x if x.sharding.device_set == on_mesh else jax.device_put(x, replicated),
+          self.opt_state)
+    # Reference for the KL term: LoRA off (zeroed adapters give exactly the base model), or the
+    # initial weights under full fine-tuning.
+    self.reference = None
+    if cfg.kl_coef:
+      self.reference = (jax.tree.map(jnp.copy, self.trainable) if self.full_finetune
+                        else _zero_lora(self.trainable))
+    self.single_update = cfg.minibatches == 1 and cfg.epochs == 1
+    self._prepare, self._grad = self.fns.prepare, self.fns.grad
+    self._apply, self._accumulate = self.fns.apply, self.fns.accumulate
+    self._local_frozen = None
+
+  # -- what the rest of the run sees
+
+  def policy(self) -> nnx.Module:
+    """The current model, its arrays on the trainer's mesh."""
+    return nnx.merge(self.graphdef, self.trainable, self.frozen)
+
+  def local_trainable(self):
+    """The trainable parameters as arrays of this process (gathered when the mesh spans
+    processes: every process must call it together)."""
+    return mesh_lib.to_local(self.trainable)
+
+  def local_policy(self) -> nnx.Module:
+    """The current model with arrays of this process, for the rollout engine, the drafter and
+    exports (the same as `policy()` on a single-process mesh). On a multi-host mesh it is an
+    all-gather, so every process must call it together; the frozen part is gathered once."""
+    if self._local_frozen is None:
+      self._local_frozen = mesh_lib.to_local(self.frozen)
+    return nnx.merge(self.graphdef, self.local_trainable(), self._local_frozen)
+
+  def state(self) -> dict[str, Any]:
+    return {"params": self.trainable, "opt_state": self.opt_state}
+
+  def load_state(self, state: dict[str, Any]) -> None:
+    self.trainable, self.opt_state = state["params"], state["opt_state"]
 
   # -- host side
 
@@ -311,8 +367,9 @@ class Trainer:
           np.zeros((R, L - 1), np.float32), np.zeros((R,), np.float32)))
       extra = (None, None, None)
       if not self.single_update:
-        extra = self._prepare(self.trainable, self.reference, *dev[:3])[:3]
-      grads, _ = self._grad(self.trainable, self.reference, np.float32(0.0), *dev, *extra)
+        extra = self._prepare(self.trainable, self.frozen, self.reference, *dev[:3])[:3]
+      grads, _ = self._grad(self.trainable, self.frozen, self.reference, np.float32(0.0), *dev,
+                            *extra)
       jax.block_until_ready(grads)
     # The update and the gradient sum too (on copies: the update donates its inputs), so the
     # first RL step pays no compile either.
@@ -343,7 +400,7 @@ class Trainer:
     grads, stats = None, []
     for c, (dev, w) in enumerate(chunk_list):
       extra = prepared[c] if prepared else (None, None, None)
-      g, st = self._grad(self.trainable, self.reference, w, *dev, *extra)
+      g, st = self._grad(self.trainable, self.frozen, self.reference, w, *dev, *extra)
       grads = g if grads is None else self._accumulate(grads, g)
       stats.append(st)
     return grads, stats
@@ -357,7 +414,8 @@ class Trainer:
       for chunk_list in plan:
         prepared.append([])
         for dev, w in chunk_list:
-          old_logp, is_w, ref_logp, st = self._prepare(self.trainable, self.reference, *dev[:3])
+          old_logp, is_w, ref_logp, st = self._prepare(self.trainable, self.frozen,
+                                                       self.reference, *dev[:3])
           prepared[-1].append((old_logp, is_w, ref_logp))
           prep_stats.append(st)
           prep_weights.append(w / len(plan))

@@ -499,6 +499,26 @@ class _TracedUnderXla:
 # Program pool
 
 
+# Executables are shared by every pool of the process with the same model structure, config,
+# placement and numerics: a second engine (a resumed run, a notebook cell run again, another
+# test) takes them instead of tracing and compiling again. Least recently used entries beyond
+# the limit are dropped. Like jax.jit's own cache, this does not notice a function of this
+# module being replaced after a program was built: call `clear_shared_programs()` then.
+_SHARED_PROGRAMS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+SHARED_PROGRAMS_LIMIT = 512
+
+
+def clear_shared_programs() -> None:
+  """Forget the executables shared between engines (e.g. after patching this module)."""
+  _SHARED_PROGRAMS.clear()
+
+
+def _signature(tree) -> tuple:
+  """What a compiled program assumes of its array arguments: shapes, dtypes, shardings."""
+  return tuple((x.shape, str(x.dtype), getattr(x, "sharding", None))
+               for x in jax.tree.leaves(tree))
+
+
 class ProgramPool:
   """Compiled executables per (phase, bucket, strategy), built once by `warm_up`.
 
@@ -523,7 +543,9 @@ class ProgramPool:
     self.allowed_arms = allowed_arms
     self.programs: dict[tuple, Any] = {}
     self._shapes: dict[int, Slots] = {}
-    self.compiles = 0
+    self.compiles = 0  # programs this pool built or took from the process's shared ones
+    self._share_key = (self.graphdef, self.draft_graphdef, cfg, placement,
+                       _signature(self.params), _signature(self.draft_params))
 
   def place(self, tree):
     return tree if self.placement is None else jax.device_put(tree, self.placement)
@@ -596,7 +618,13 @@ class ProgramPool:
   def get(self, phase: str, bucket: int, extra: int | str = 0):
     key = (phase, bucket, extra)
     if key not in self.programs:
-      self.programs[key] = self._build(key)
+      # The numerics mode is read while tracing: part of what a program is.
+      shared = (self._share_key, ops.numerics(), ops.backend(), key)
+      program = _SHARED_PROGRAMS.pop(shared, None) or self._build(key)
+      _SHARED_PROGRAMS[shared] = program
+      while len(_SHARED_PROGRAMS) > SHARED_PROGRAMS_LIMIT:
+        _SHARED_PROGRAMS.popitem(last=False)
+      self.programs[key] = program
       self.compiles += 1
     return self.programs[key]
 
