@@ -2,8 +2,9 @@
 OUT.json` runs RL step 1 of tiny_arith:smoke with TLT on, then a second job that resumes from its
 checkpoint and runs step 2, as process PID of 2 (gloo on CPU, 2 host devices each), and writes
 both summaries to OUT.json. Step 2 trains the drafter on step 1's rollouts (the buffer is empty
-before that). The second job reuses the first's compiled programs (same process). The trainer's mesh is fsdp over all 4 devices,
-so its parameters and optimizer state are sharded across the two processes."""
+before that). The second job reuses the first's compiled programs (same process). The
+trainer's mesh is fsdp over all 4 devices, so its parameters and optimizer state are sharded
+across the two processes."""
 
 import json
 import os

@@ -364,7 +364,8 @@ def _lower_programs(c, mcfg, mesh, shards: _Shards, layers: int, compile_: bool)
   opt = jax.eval_shape(fns.tx.init, trainable)
   R, L = chunk[0].shape
   programs = [
-      ("train grad", f"StepFunctions._grad_fn: forward + backward of the policy loss, {R} x {L} tokens",
+      ("train grad",
+       f"StepFunctions._grad_fn: forward + backward of the policy loss, {R} x {L} tokens",
        grad, (tr, fr, tr if c.rl.kl_coef else None, chunk, extra), ()),
       ("optimizer update", "StepFunctions._apply_fn: clip + AdamW",
        fns._apply_fn,
