@@ -248,9 +248,10 @@ class StepFunctions:
 
 # A second Trainer of the same model structure, config and mesh in this process (a resumed run,
 # a notebook cell run again, the next point of an in-process sweep) reuses the traced and
-# compiled step. The numerics mode is part of jax.jit's own key (ops.py).
+# compiled step. The numerics mode is part of jax.jit's own key (ops.py). Few are kept: each
+# holds its executables, and those hold memory mappings (see engine._SHARED_PROGRAMS).
 _STEP_FUNCTIONS: collections.OrderedDict[tuple, StepFunctions] = collections.OrderedDict()
-_STEP_FUNCTIONS_LIMIT = 16
+_STEP_FUNCTIONS_LIMIT = 4
 
 
 def step_functions(cfg: TrainConfig, graphdef, mesh: jax.sharding.Mesh | None) -> StepFunctions:
