@@ -7,6 +7,7 @@ fallback is part of the rules (`param_spec`), so tests can state exactly what ea
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -144,8 +145,14 @@ def to_local(tree):
               if isinstance(x, jax.Array) and not x.is_fully_addressable]
   if not spanning:
     return tree
-  replicated = [NamedSharding(leaves[i].sharding.mesh, P()) for i in spanning]
-  gathered = jax.jit(lambda xs: xs, out_shardings=replicated)([leaves[i] for i in spanning])
+  replicated = tuple(NamedSharding(leaves[i].sharding.mesh, P()) for i in spanning)
+  gathered = _gather_to(replicated)(tuple(leaves[i] for i in spanning))
   for i, x in zip(spanning, gathered):
     leaves[i] = x.addressable_data(0)
   return jax.tree.unflatten(treedef, leaves)
+
+
+@functools.lru_cache(maxsize=16)
+def _gather_to(shardings: tuple[NamedSharding, ...]):
+  # One jitted gather per layout, so an RL step's gather compiles once, not at every step.
+  return jax.jit(lambda xs: xs, out_shardings=shardings)
