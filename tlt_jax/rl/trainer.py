@@ -27,8 +27,8 @@ logits (`rollout.sampling.masked_logits`).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -250,17 +250,9 @@ class StepFunctions:
 # a notebook cell run again, the next point of an in-process sweep) reuses the traced and
 # compiled step. The numerics mode is part of jax.jit's own key (ops.py). Few are kept: each
 # holds its executables, and those hold memory mappings (see engine._SHARED_PROGRAMS).
-_STEP_FUNCTIONS: collections.OrderedDict[tuple, StepFunctions] = collections.OrderedDict()
-_STEP_FUNCTIONS_LIMIT = 4
-
-
+@functools.lru_cache(maxsize=4)
 def step_functions(cfg: TrainConfig, graphdef, mesh: jax.sharding.Mesh | None) -> StepFunctions:
-  key = (cfg, graphdef, mesh)
-  fns = _STEP_FUNCTIONS.pop(key, None) or StepFunctions(cfg, graphdef, mesh)
-  _STEP_FUNCTIONS[key] = fns
-  while len(_STEP_FUNCTIONS) > _STEP_FUNCTIONS_LIMIT:
-    _STEP_FUNCTIONS.popitem(last=False)
-  return fns
+  return StepFunctions(cfg, graphdef, mesh)
 
 
 class Trainer:
