@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, pad_axis, round_up, tree_sum
+from pallas_kernels.common import default_interpret, out_struct, pad_axis, round_up, tree_sum
 
 KV_SPLIT = 32  # keys per step of the online softmax; KV caches are padded to a multiple of this
 BLOCK_Q = 16   # query rows (tokens x query heads of one KV head) per program
@@ -139,7 +139,7 @@ def attention_pallas(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale: float,
                 pl.BlockSpec((None, None, Sp, D), lambda b, h, i: (b, h, 0, 0)),
                 pl.BlockSpec((None, BLOCK_Q, Sp), lambda b, h, i: (b, i, 0))],
       out_specs=pl.BlockSpec((None, None, BLOCK_Q, D), lambda b, h, i: (b, h, i, 0)),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q_BxTxHxD.dtype),
+      out_shape=out_struct(q.shape, q_BxTxHxD.dtype, q, k, v, mask),
       interpret=interpret,
   )(q, k, v, mask.astype(jnp.int32))
   return _from_rows(out, B, T, H, D)

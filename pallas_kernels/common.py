@@ -1,14 +1,28 @@
-"""Helpers the kernels share: where interpret mode is needed, padding to block multiples."""
+"""Helpers the kernels share: where interpret mode is needed, padding to block multiples, the
+output types of a Pallas call inside `jax.shard_map`."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax._src import config as jax_config
+from jax._src import core as jax_core
 
 
 def default_interpret() -> bool:
   """Pallas compiles only for GPU/TPU; everywhere else the kernel runs in interpret mode."""
   return jax.default_backend() not in ("gpu", "tpu")
+
+
+def out_struct(shape, dtype, *inputs: jax.Array) -> jax.ShapeDtypeStruct:
+  """A Pallas call's output type. Inside a `jax.shard_map` that checks how values vary over its
+  manual mesh axes, pallas_call must be told: the output varies over every axis an input does
+  (each device runs the kernel on its own blocks)."""
+  if not jax_config._check_vma.value:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in inputs))
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              manual_axis_type=jax_core.ManualAxisType(varying=varying))
 
 
 def round_up(n: int, multiple: int) -> int:

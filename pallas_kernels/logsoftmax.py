@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, pad_axis, tree_sum
+from pallas_kernels.common import default_interpret, out_struct, pad_axis, tree_sum
 
 BLOCK_ROWS = 8
 CHUNK = 512
@@ -92,7 +92,7 @@ def log_softmax_pallas(logits: jax.Array, *, interpret: bool | None = None) -> j
       grid=(Rp // BLOCK_ROWS,),
       in_specs=[pl.BlockSpec((BLOCK_ROWS, Vp), lambda i: (i, 0))],
       out_specs=pl.BlockSpec((BLOCK_ROWS, Vp), lambda i: (i, 0)),
-      out_shape=jax.ShapeDtypeStruct((Rp, Vp), jnp.float32),
+      out_shape=out_struct((Rp, Vp), jnp.float32, x),
       interpret=interpret,
   )(x)
   return out[:R, :logits.shape[-1]].reshape(logits.shape)
@@ -115,7 +115,7 @@ def token_logprobs_pallas(logits: jax.Array, tokens: jax.Array, *,
       in_specs=[pl.BlockSpec((BLOCK_ROWS, Vp), lambda i: (i, 0)),
                 pl.BlockSpec((BLOCK_ROWS, 1), lambda i: (i, 0))],
       out_specs=pl.BlockSpec((BLOCK_ROWS, 1), lambda i: (i, 0)),
-      out_shape=jax.ShapeDtypeStruct((Rp, 1), jnp.float32),
+      out_shape=out_struct((Rp, 1), jnp.float32, x, tok),
       interpret=interpret,
   )(x, tok)
   return out[:R, 0].reshape(tokens.shape)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, map_row_blocks, pad_axis
+from pallas_kernels.common import default_interpret, map_row_blocks, out_struct, pad_axis
 
 # (bm, bn, bk) per input dtype: one configuration, used for every shape.
 PALLAS_BLOCKS = {
@@ -66,7 +66,7 @@ def matmul_pallas(x_MxK: jax.Array, w_KxN: jax.Array, *, interpret: bool | None 
       in_specs=[pl.BlockSpec((bm, Kp), lambda i, j: (i, 0)),
                 pl.BlockSpec((Kp, bn), lambda i, j: (0, j))],
       out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((Mp, Np), out_dtype),
+      out_shape=out_struct((Mp, Np), out_dtype, x, w),
       interpret=interpret,
   )(x, w)
   return out[:M, :N]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, pad_axis, tree_sum
+from pallas_kernels.common import default_interpret, out_struct, pad_axis, tree_sum
 
 BLOCK_ROWS = 8
 CHUNK = 256  # columns per step of the in-order sum of squares
@@ -63,7 +63,7 @@ def rms_norm_pallas(x: jax.Array, weight_D: jax.Array, eps: float, *,
       in_specs=[pl.BlockSpec((BLOCK_ROWS, Dp), lambda i: (i, 0)),
                 pl.BlockSpec((1, Dp), lambda i: (0, 0))],
       out_specs=pl.BlockSpec((BLOCK_ROWS, Dp), lambda i: (i, 0)),
-      out_shape=jax.ShapeDtypeStruct((Rp, Dp), x.dtype),
+      out_shape=out_struct((Rp, Dp), x.dtype, xp, wp),
       interpret=interpret,
   )(xp, wp)
   return out[:R, :D].reshape(*lead, D)

@@ -72,3 +72,12 @@ def smoke_run(tmp_path_factory):
   c = config_lib.load_config_file(TINY_ARITH_CONFIG, "smoke")
   c.workdir = str(tmp_path_factory.mktemp("smoke"))
   return c.workdir, train.run(c, "tiny_arith-smoke")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Groups for `pytest -n 2 --dist loadgroup`: each module's tests stay on one worker (its
+  module fixtures and compiled programs are built once), and the tests of every module that
+  use the session's smoke run share a worker too, so that run is trained once."""
+  for item in items:
+    group = "smoke_run" if "smoke_run" in item.fixturenames else item.module.__name__
+    item.add_marker(pytest.mark.xdist_group(group))

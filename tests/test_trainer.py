@@ -1,6 +1,8 @@
 """The RL train step: chunked (length-bucketed) gradients equal the whole batch's, against an
 independent pure-JAX loss; on-policy statistics; the LoRA-off reference; NaN safety; full FT."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,8 +22,8 @@ SAMPLING = SamplingParams(temperature=0.8)
 L = 16
 
 
-def _model(with_lora=True):
-  model = Transformer(CFG, nnx.Rngs(0))
+def _model(with_lora=True, cfg=CFG):
+  model = Transformer(cfg, nnx.Rngs(0))
   if with_lora:
     lora.apply_lora(model, rank=4, alpha=8.0)
     rng = np.random.default_rng(1)
@@ -181,3 +183,27 @@ def test_batch_invariant_sharded_trainer_keeps_per_row_logprobs_bitwise():
   with pytest.raises(ValueError, match=r"rl.chunk_rows=6 is not a multiple of the mesh's data x "
                                        r"fsdp = 8"):
     Trainer(_model(), TrainConfig(chunk_rows=6, sampling=SAMPLING), mesh=mesh)
+
+
+def test_tensor_parallel_trainer_keeps_per_row_logprobs_bitwise():
+  """mesh.model = 2 (exact tensor parallelism: every linear layer split over its outputs, whole
+  inputs gathered; tied embeddings split over the vocabulary) with the Pallas kernels: every
+  response token's log-prob is bitwise the unsplit sampler's, so the sampler/trainer mismatch
+  stays exactly 0 with the model split; the gradients match the single device's."""
+  from tlt_jax import mesh as mesh_lib
+
+  cfg = dataclasses.replace(CFG, num_heads=4, num_kv_heads=2)  # whole heads on 2 devices
+  mesh = mesh_lib.make_mesh(data=2, fsdp=2, model=2)
+  with ops.numerics_mode("batch_invariant", "pallas"):
+    batch, *_ = _batch(_model(cfg=cfg))  # sampler log-probs from the unsplit forward
+    single = Trainer(_model(cfg=cfg), TrainConfig(chunk_rows=8, sampling=SAMPLING))
+    split = Trainer(_model(cfg=cfg), TrainConfig(chunk_rows=8, sampling=SAMPLING), mesh=mesh)
+    expected, _ = single.gradients(single.plan(batch)[0])
+    grads, _ = split.gradients(split.plan(batch)[0])
+    stats = split.step(batch)
+    with pytest.raises(ValueError, match="mesh.model=2 must divide num_heads=2 and "
+                                         "num_kv_heads=1"):
+      Trainer(_model(), TrainConfig(chunk_rows=8, sampling=SAMPLING), mesh=mesh)
+  assert stats["logp_abs_diff_max"] == 0.0 and stats["kl_sample_train"] == 0.0
+  for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=2e-5, atol=1e-7)

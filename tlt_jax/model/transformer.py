@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax import ops
+from tlt_jax import tensor_parallel as tp
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -184,9 +185,10 @@ class Attention(nnx.Module):
                kv_index_BxTxS=None, causal: bool = False):
     B, T, _ = x_BxTxD.shape
     hd = self.head_dim
-    q = self.q_proj(x_BxTxD).reshape(B, T, self.num_heads, hd)
-    k = self.k_proj(x_BxTxD).reshape(B, T, self.num_kv_heads, hd)
-    v = self.v_proj(x_BxTxD).reshape(B, T, self.num_kv_heads, hd)
+    # -1 heads: under tensor parallelism (`tp`) a device holds a whole share of the heads.
+    q = self.q_proj(x_BxTxD).reshape(B, T, -1, hd)
+    k = self.k_proj(x_BxTxD).reshape(B, T, -1, hd)
+    v = self.v_proj(x_BxTxD).reshape(B, T, -1, hd)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = rope_inv_freq(self.cfg)  # a trace-time constant
@@ -204,7 +206,8 @@ class Attention(nnx.Module):
       out = ops.attention(q, k_all, v_all, mask_BxTxS, scale=1.0 / math.sqrt(hd), causal=causal)
     else:
       out = _per_query_attention(q, k_all, v_all, mask_BxTxS, kv_index_BxTxS, 1.0 / math.sqrt(hd))
-    return self.o_proj(out.reshape(B, T, self.num_heads * hd)), cache_k, cache_v
+    out = tp.gather_features(out.reshape(B, T, -1))  # o_proj reduces over all heads
+    return tp.gather_features(self.o_proj(out)), cache_k, cache_v
 
 
 def _per_query_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, kv_index_BxTxS, scale):
@@ -232,7 +235,8 @@ class MLP(nnx.Module):
     self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=False, dtype=dt, rngs=rngs)
 
   def __call__(self, x):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    h = tp.gather_features(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    return tp.gather_features(self.down_proj(h))
 
 
 class DecoderLayer(nnx.Module):
@@ -259,7 +263,7 @@ class Embed(nnx.Module):
         (0.02 * jax.random.normal(rngs.params(), (vocab, dim), jnp.float32)).astype(dtype))
 
   def __call__(self, tokens):
-    return jnp.take(self.embedding[...], tokens, axis=0)
+    return tp.embed_lookup(self.embedding[...], tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +293,7 @@ class Transformer(nnx.Module):
       logits = ops.matmul(hidden_BxTxD, self.embed_tokens.embedding[...].T)
     else:
       logits = self.lm_head(hidden_BxTxD)
-    return logits.astype(jnp.float32)
+    return tp.gather_features(logits).astype(jnp.float32)
 
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None, *,
                cache: KVCache | None = None, write_slot_B: jax.Array | None = None,

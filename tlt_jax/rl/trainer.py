@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from tlt_jax import mesh as mesh_lib
 from tlt_jax import ops
+from tlt_jax import tensor_parallel as tp
 from tlt_jax.rl import algorithms
 from tlt_jax.rollout.sampling import SamplingParams, masked_logits
 
@@ -176,15 +177,24 @@ class StepFunctions:
     # a Pallas call (it would gather the batch onto every device), and the blocked twin's
     # lax.map over a sharded row axis gathers too. Row invariance makes each row's log-probs
     # bitwise the single-device ones; autodiff sums the parameter gradients over the batch
-    # axes (psum). Parameters are gathered over fsdp for the whole forward. The model axis
-    # stays with XLA (tensor parallel, as the memory plan assumes): with mesh.model > 1 a row's
-    # matmuls are split into partial sums + an all-reduce, another reduction order than the
-    # unsplit sampler's, so its log-probs may differ in the last bits (`logp_abs_diff_max`
-    # says by how much). Bitwise sampler == trainer needs mesh.model == 1 today.
+    # axes (psum). Parameters are gathered over fsdp for the whole forward.
     rows = P(mesh_lib.BATCH_AXES)
-    return jax.shard_map(rows_logprobs, mesh=self.mesh, in_specs=(P(), P(), rows),
-                         out_specs=(rows, rows), axis_names=set(mesh_lib.BATCH_AXES))(
-                             params, frozen, tokens)
+    model_size = self.mesh.shape["model"]
+    if model_size == 1:
+      return jax.shard_map(rows_logprobs, mesh=self.mesh, in_specs=(P(), P(), rows),
+                           out_specs=(rows, rows), axis_names=set(mesh_lib.BATCH_AXES))(
+                               params, frozen, tokens)
+    # mesh.model > 1: exact tensor parallelism (`tensor_parallel`): every linear layer split
+    # over its outputs, whole inputs gathered, so each row's log-probs stay bitwise the
+    # unsplit sampler's (with the Pallas kernels; see that module for the CPU twin).
+
+    def split_rows_logprobs(params, frozen, tokens):
+      with tp.over("model"):
+        return rows_logprobs(params, frozen, tokens)
+    return jax.shard_map(split_rows_logprobs, mesh=self.mesh,
+                         in_specs=(tp.param_specs(params, "model", model_size),
+                                   tp.param_specs(frozen, "model", model_size), rows),
+                         out_specs=(rows, rows), check_vma=False)(params, frozen, tokens)
 
   def _mismatch(self, trainer_logp, sampler_logp, mask, entropy):
     """Importance weights and the sampler/trainer statistics, from the trainer's log-probs at
@@ -275,6 +285,8 @@ class Trainer:
     self.full_finetune = not has_lora
     wrt = nnx.LoRAParam if has_lora else nnx.Param
     if mesh is not None:
+      if mesh.shape["model"] > 1 and ops.numerics() == "batch_invariant":
+        tp.check_model(model.cfg, mesh.shape["model"])
       mesh_lib.shard_model(model, mesh)
     self.graphdef, self.trainable, self.frozen = nnx.split(model, wrt, ...)
     self.fns = step_functions(cfg, self.graphdef, mesh)

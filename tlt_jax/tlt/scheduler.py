@@ -170,9 +170,11 @@ class SpotTrainer:
     return any(not leaf.is_ready() for leaf in jax.tree.leaves(self.params))
 
   def wait(self) -> dict[str, float]:
-    """Blocks until the step in flight is done; its metrics."""
+    """Blocks until the step in flight is done (all of its outputs: parameters and optimizer
+    state too, not just the metrics, which may be ready first); its metrics."""
     if self.last_metrics is None:
       return {}
+    jax.block_until_ready((self.params, self.opt_state, self.last_metrics))
     return {k: float(v) for k, v in jax.device_get(self.last_metrics).items()}
 
   def publish(self, *, new_version: bool = True) -> tuple[Drafter, int]:

@@ -1,0 +1,130 @@
+"""Tensor parallelism that keeps every row's bits: split outputs, gather inputs.
+
+Megatron-style tensor parallelism splits o_proj and down_proj over their input (K) dimension:
+each device sums its part of K and an all-reduce adds the parts. That is another reduction order
+than one device's, so a row's values move in the last bits with `mesh.model`, and sampler ==
+trainer log-probs no longer hold bitwise.
+
+Here every linear layer is split over its output dimension only. Each device computes whole dot
+products (all of K, in the kernel's one fixed order) for its share of the output columns, and an
+all-gather joins the shares before anything that reduces over them: o_proj and down_proj get
+their whole input, RMSNorm and log-softmax their whole row. A concatenation does no arithmetic,
+so every value is bitwise the unsplit model's, provided the matmul kernel's result for a column
+does not depend on how many columns it computes. The Pallas matmul gives that by construction
+(independent [bm, bn] output tiles). XLA's CPU dot behind the `blocked_jax` twin does not in
+f32: its algorithm changes with N. So this is exact with `backend="pallas"`, what
+`batch_invariant` runs on GPU and TPU.
+
+Attention (whole heads per device), the MLP's gate/up projections and the vocabulary projection
+split as in Megatron. The price is communication. Per layer there are four all-gathers: the
+attention output [rows, H*hd], o_proj's output [rows, D], the MLP activation [rows, F] and
+down_proj's output [rows, D]. Megatron does two all-reduces of [rows, D].
+
+The trainer keeps its parameters in `mesh.py`'s storage layout (o_proj and down_proj split over
+their input); entering the split forward moves those two to the output split, a weight
+collective next to the fsdp gather that is already there.
+
+Use: inside a `jax.shard_map` that is manual over the model axis, with parameters laid out by
+`param_specs`, trace the model under `over(axis)`; the model's layers call `gather_features` and
+`embed_lookup`, which do nothing outside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import jax
+import jax.numpy as jnp
+from jax._src import config as jax_config
+from jax._src.lax import parallel as jax_parallel
+from jax.sharding import PartitionSpec as P
+
+_AXIS: str | None = None  # the manual mesh axis the model is being traced over, if any
+
+# (regex on the '/'-joined NNX path, which dimension is split): every linear layer over its
+# output, the embedding table over the vocabulary (its rows). Everything else is whole.
+_SPLIT_DIM: tuple[tuple[str, int], ...] = (
+    (r"embed_tokens/embedding$", 0),
+    (r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head)/(base/)?kernel$", 1),
+    (r"(q_proj|k_proj|v_proj)/(base/)?bias$", 0),
+    (r"/lora_b$", 1),
+)
+
+
+@contextlib.contextmanager
+def over(axis: str):
+  """Trace the model split over the manual mesh axis `axis` (see the module docstring)."""
+  global _AXIS
+  previous, _AXIS = _AXIS, axis
+  try:
+    yield
+  finally:
+    _AXIS = previous
+
+
+def axis() -> str | None:
+  return _AXIS
+
+
+def gather_features(x: jax.Array) -> jax.Array:
+  """The whole last axis from every device's share of it (in device order along the axis)."""
+  if _AXIS is None:
+    return x
+  if jax_config._check_vma.value:
+    # A shard_map that types how values vary: the invariant all-gather, whose result is the
+    # same on every device of the axis and whose transpose takes each device's slice of the
+    # cotangent.
+    return jax_parallel.all_gather_invariant(x, _AXIS, axis=x.ndim - 1, tiled=True)
+  # Unchecked (check_vma=False; Pallas' interpret mode needs it): shard_map hands each device
+  # 1/size of the cotangent of an output replicated over the axis, and this all-gather's
+  # transpose (a reduce-scatter) sums those shares back.
+  return jax.lax.all_gather(x, _AXIS, axis=x.ndim - 1, tiled=True)
+
+
+def embed_lookup(table_VxD: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Embedding rows of `tokens` from a table split over its rows: the device holding a token's
+  row contributes it, the others contribute zeros, and a sum over the axis joins them. Adding
+  zeros is exact, so the rows are bitwise the unsplit table's."""
+  if _AXIS is None:
+    return jnp.take(table_VxD, tokens, axis=0)
+  rows_here = table_VxD.shape[0]
+  local = tokens - jax.lax.axis_index(_AXIS) * rows_here
+  here = (local >= 0) & (local < rows_here)
+  rows = jnp.take(table_VxD, jnp.clip(local, 0, rows_here - 1), axis=0)
+  return jax.lax.psum(jnp.where(here[..., None], rows, jnp.zeros_like(rows)), _AXIS)
+
+
+def check_model(cfg, size: int) -> None:
+  """Whole heads per device: `size` must divide the query and the KV heads."""
+  if cfg.num_heads % size or cfg.num_kv_heads % size:
+    raise ValueError(f"exact tensor parallelism gives each device whole heads: mesh.model={size} "
+                     f"must divide num_heads={cfg.num_heads} and "
+                     f"num_kv_heads={cfg.num_kv_heads}")
+
+
+def split_dim(path: str) -> int | None:
+  """Which dimension of the parameter at `path` is split over the model axis (None: whole)."""
+  for pattern, dim in _SPLIT_DIM:
+    if re.search(pattern, path):
+      return dim
+  return None
+
+
+def param_specs(state, axis_name: str, size: int):
+  """PartitionSpecs of an NNX state for `over(axis_name)` on `size` devices. A split
+  dimension that `size` does not divide is an error: a partial split cannot be gathered back."""
+  from tlt_jax.mesh import _path_str
+
+  def one(path, leaf):
+    name = _path_str(path)
+    dim = split_dim(name)
+    if dim is None:
+      return P()
+    if leaf.shape[dim] % size:
+      raise ValueError(f"exact tensor parallelism splits {name} (shape {tuple(leaf.shape)}) over "
+                       f"dimension {dim}, which mesh.model={size} does not divide; choose a "
+                       "mesh.model that divides the heads, kv heads, hidden, intermediate and "
+                       "vocabulary sizes")
+    return P(*([None] * dim + [axis_name]))
+  return jax.tree_util.tree_map_with_path(one, state)
