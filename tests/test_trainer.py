@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from tlt_jax import ops
 from tlt_jax.model import lora
@@ -207,3 +208,7 @@ def test_tensor_parallel_trainer_keeps_per_row_logprobs_bitwise():
   assert stats["logp_abs_diff_max"] == 0.0 and stats["kl_sample_train"] == 0.0
   for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=2e-5, atol=1e-7)
+  # Stored the way the forward splits it: down_proj over its outputs (model), fsdp on its input.
+  specs = {mesh_lib._path_str(path): leaf.sharding.spec
+           for path, leaf in jax.tree_util.tree_leaves_with_path(split.frozen)}
+  assert specs["layers/0/mlp/down_proj/base/kernel"] == P("fsdp", "model"), specs

@@ -20,9 +20,10 @@ split as in Megatron. The price is communication. Per layer there are four all-g
 attention output [rows, H*hd], o_proj's output [rows, D], the MLP activation [rows, F] and
 down_proj's output [rows, D]. Megatron does two all-reduces of [rows, D].
 
-The trainer keeps its parameters in `mesh.py`'s storage layout (o_proj and down_proj split over
-their input); entering the split forward moves those two to the output split, a weight
-collective next to the fsdp gather that is already there.
+The trainer stores its parameters split the same way (`storage_shardings`: `mesh.py`'s rules,
+with o_proj and down_proj split over their outputs rather than their inputs), so entering the
+split forward only gathers over fsdp, as the unsplit one does, and moves no weight between the
+devices of the model axis.
 
 Use: inside a `jax.shard_map` that is manual over the model axis, with parameters laid out by
 `param_specs`, trace the model under `over(axis)`; the model's layers call `gather_features` and
@@ -38,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import config as jax_config
 from jax._src.lax import parallel as jax_parallel
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 _AXIS: str | None = None  # the manual mesh axis the model is being traced over, if any
 
@@ -127,4 +128,28 @@ def param_specs(state, axis_name: str, size: int):
                        "mesh.model that divides the heads, kv heads, hidden, intermediate and "
                        "vocabulary sizes")
     return P(*([None] * dim + [axis_name]))
+  return jax.tree_util.tree_map_with_path(one, state)
+
+
+def storage_shardings(state, mesh):
+  """NamedShardings to keep an NNX state in for `over("model")` on `mesh`. These are the mesh's
+  own rules (`mesh.param_spec`), with one change: a split parameter has "model" on its split
+  dimension. For o_proj and down_proj, which the rules split over their input, that means
+  swapping the two axes."""
+  from tlt_jax import mesh as mesh_lib
+
+  def one(path, leaf):
+    name = mesh_lib._path_str(path)
+    spec = list(mesh_lib.param_spec(name, leaf.shape, mesh)) + [None] * leaf.ndim
+    spec = spec[:leaf.ndim]
+    dim = split_dim(name)
+    if dim is not None and spec[dim] != "model":
+      other = [i for i, axis in enumerate(spec) if axis == "model"]
+      moved = spec[dim]  # what the split dimension had (fsdp or nothing)
+      spec = [None if axis == "model" else axis for axis in spec]
+      spec[dim] = "model"
+      for i in other:  # o_proj / down_proj: fsdp goes where model was, if it divides
+        if moved and leaf.shape[i] % mesh.shape[moved] == 0:
+          spec[i] = moved
+    return NamedSharding(mesh, P(*spec))
   return jax.tree_util.tree_map_with_path(one, state)

@@ -284,9 +284,12 @@ class Trainer:
     has_lora = bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
     self.full_finetune = not has_lora
     wrt = nnx.LoRAParam if has_lora else nnx.Param
-    if mesh is not None:
-      if mesh.shape["model"] > 1 and ops.numerics() == "batch_invariant":
-        tp.check_model(model.cfg, mesh.shape["model"])
+    if mesh is not None and mesh.shape["model"] > 1 and ops.numerics() == "batch_invariant":
+      # Exact tensor parallelism (`_logprobs`): keep the weights split the way it runs them.
+      tp.check_model(model.cfg, mesh.shape["model"])
+      state = nnx.state(model)
+      nnx.update(model, jax.device_put(state, tp.storage_shardings(state, mesh)))
+    elif mesh is not None:
       mesh_lib.shard_model(model, mesh)
     self.graphdef, self.trainable, self.frozen = nnx.split(model, wrt, ...)
     self.fns = step_functions(cfg, self.graphdef, mesh)
