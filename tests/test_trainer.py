@@ -160,13 +160,15 @@ def test_sharded_step_matches_the_single_device_step():
     np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=2e-5, atol=1e-7)
 
 
-def test_batch_invariant_sharded_trainer_keeps_per_row_logprobs_bitwise():
+@pytest.mark.parametrize("backend", ["blocked_jax", "pallas"])
+def test_batch_invariant_sharded_trainer_keeps_per_row_logprobs_bitwise(backend):
   """On a data x fsdp mesh the batch-invariant trainer runs its kernels per device on whole
   rows (shard_map): every row's log-probs are bitwise the single-device ones, so the
-  sampler/trainer mismatch stays exactly 0; the gradient (summed across devices) matches."""
+  sampler/trainer mismatch stays exactly 0; the gradient (summed across devices) matches.
+  Pallas (interpreted here) is what runs on GPU/TPU."""
   from tlt_jax import mesh as mesh_lib
 
-  with ops.numerics_mode("batch_invariant"):
+  with ops.numerics_mode("batch_invariant", backend):
     batch, *_ = _batch(_model())
     single = Trainer(_model(), TrainConfig(chunk_rows=8, sampling=SAMPLING))
     mesh = mesh_lib.make_mesh(data=4, fsdp=2, model=1)

@@ -178,12 +178,15 @@ class StepFunctions:
     # lax.map over a sharded row axis gathers too. Row invariance makes each row's log-probs
     # bitwise the single-device ones; autodiff sums the parameter gradients over the batch
     # axes (psum). Parameters are gathered over fsdp for the whole forward.
+    # check_vma=False: Pallas' interpret mode (CPU) mis-types its loop carries in a shard_map
+    # that checks how values vary. Unchecked is exact here: every output names all the manual
+    # axes but model, and the split forward's gathers transpose accordingly (tensor_parallel).
     rows = P(mesh_lib.BATCH_AXES)
     model_size = self.mesh.shape["model"]
     if model_size == 1:
       return jax.shard_map(rows_logprobs, mesh=self.mesh, in_specs=(P(), P(), rows),
-                           out_specs=(rows, rows), axis_names=set(mesh_lib.BATCH_AXES))(
-                               params, frozen, tokens)
+                           out_specs=(rows, rows), axis_names=set(mesh_lib.BATCH_AXES),
+                           check_vma=False)(params, frozen, tokens)
     # mesh.model > 1: exact tensor parallelism (`tensor_parallel`): every linear layer split
     # over its outputs, whole inputs gathered, so each row's log-probs stay bitwise the
     # unsplit sampler's (with the Pallas kernels; see that module for the CPU twin).
