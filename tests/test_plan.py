@@ -102,6 +102,25 @@ def test_paper_model_sizes_and_kv_cache():
   assert params["device_bytes"] == pytest.approx(params["global_bytes"] / 8, rel=0.01)
 
 
+def test_exact_tensor_parallelism_counts_its_whole_activations():
+  """mesh.model = 4, batch-invariant: the exact split keeps o_proj's and down_proj's gathered
+  inputs (every layer) and the logits whole on each device, where XLA's split keeps a quarter."""
+  exact = _plan("qwen2_5_7b_8gpu.py")
+  c = _config("qwen2_5_7b_8gpu.py")
+  c.plan.lower_layers, c.rl.exact_tensor_parallel = 1, False
+  xla = plan_lib.plan(c, name="xla split")
+  m, T = c.model, c.rollout.max_prompt_len + c.rollout.max_new_tokens
+  rows = c.rl.chunk_rows // (c.mesh.data * c.mesh.fsdp)
+  whole = rows * T * (m.num_layers * (m.num_heads * m.head_dim + m.intermediate_size) * 2
+                      + m.vocab_size * 4)
+  extra = _row(exact, "train activations")["device_bytes"] - _row(
+      xla, "train activations")["device_bytes"]
+  # the residuals gain 3/4 of `whole`; the backward transient (dlogits here) at most the rest
+  assert 0.75 * whole <= extra <= whole + 2 * rows * T * m.vocab_size * 4, (extra, whole)
+  assert "exact tensor parallelism" in _row(exact, "train activations")["sharding"]
+  assert "exact" not in _row(xla, "train activations")["sharding"]
+
+
 def test_full_finetuning_32b_on_16gib_does_not_fit():
   c = _config("qwen2_5_32b_multihost.py")
   c.lora.rank, c.plan.device_memory_gib = 0, 16.0

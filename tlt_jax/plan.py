@@ -185,18 +185,33 @@ def _train_rows(c, mcfg, shards: _Shards, fsdp: int, layer_bytes: float) -> tupl
   recomputes them; XLA's attention keeps them too) or the f32 logits' gradient."""
   L = mcfg.num_layers
   R, T = c.rl.chunk_rows, c.rollout.max_prompt_len + c.rollout.max_new_tokens
+  exact_tp = (c.numerics == "batch_invariant" and shards.model > 1
+              and c.rl.exact_tensor_parallel)
   g1, d1 = _residuals(c, mcfg, 1, shards)
   g2, d2 = (g1, d1) if L == 1 else _residuals(c, mcfg, 2, shards)
   g_res, d_res = g1 + (L - 1) * (g2 - g1), d1 + (L - 1) * (d2 - d1)
   rdev = shards.rows(R)
+  if exact_tp:
+    # tensor_parallel.py: the traces above split as XLA would. On top of that, each layer keeps
+    # the whole gathered inputs of o_proj [H*hd] and down_proj [I] for their backward, and the
+    # model keeps the whole gathered logits [V] (f32), where XLA's split keeps 1/model.
+    whole = 1 - 1 / shards.model
+    per_layer = rdev * T * (mcfg.num_heads * mcfg.head_dim + mcfg.intermediate_size) * \
+        jnp.dtype(mcfg.dtype).itemsize
+    extra = whole * (L * per_layer + rdev * T * mcfg.vocab_size * 4)
+    d_res += extra
+    g_res += extra * shards.batch * shards.model
   scores = 3 * rdev * shards.over_model(mcfg.num_heads) * T * T * 4
-  dlogits = 2 * rdev * T * shards.over_model(mcfg.vocab_size) * 4
+  vocab = mcfg.vocab_size if exact_tp else shards.over_model(mcfg.vocab_size)
+  dlogits = 2 * rdev * T * vocab * 4
   # FSDP gathers one layer's weights (split only over model) going forward and again backward.
   gather = 2 * layer_bytes / shards.model if fsdp > 1 else 0.0
   transient = max(scores, dlogits) + gather
+  split = "mlp/vocab/heads over model" if shards.model > 1 else ""
+  if exact_tp:
+    split += ", o_proj/down_proj inputs and logits whole (exact tensor parallelism)"
   row = Row("train activations", "train", g_res + transient * shards.batch, d_res + transient,
-            shards.rule(R, "mlp/vocab/heads over model" if shards.model > 1 else "")
-            + f" ({rdev:g} rows/device)",
+            shards.rule(R, split) + f" ({rdev:g} rows/device)",
             f"{R} x {T} tokens: residuals {_g(d_res)} + backward transient {_g(transient)} GiB "
             f"({'attention scores' if scores >= dlogits else 'dlogits'}"
             f"{', fsdp gathers' if gather else ''})")

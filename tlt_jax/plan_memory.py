@@ -95,7 +95,8 @@ def _train_config(c) -> TrainConfig:
       epochs=rl.epochs, eps_low=rl.eps_low if rl.eps_low >= 0 else None,
       eps_high=rl.eps_high if rl.eps_high >= 0 else None, kl_coef=rl.kl_coef,
       kl_estimator=rl.kl_estimator, tis_cap=rl.tis_cap, max_response_len=r.max_new_tokens,
-      chunk_rows=rl.chunk_rows, sampling=_sampling(c))
+      chunk_rows=rl.chunk_rows, exact_tensor_parallel=rl.exact_tensor_parallel,
+      sampling=_sampling(c))
 
 
 def _engine_config(c, with_drafter: bool) -> engine_lib.EngineConfig:

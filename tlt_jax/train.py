@@ -259,7 +259,8 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
       epochs=rl.epochs, eps_low=rl.eps_low if rl.eps_low >= 0 else None,
       eps_high=rl.eps_high if rl.eps_high >= 0 else None, kl_coef=rl.kl_coef,
       kl_estimator=rl.kl_estimator, tis_cap=rl.tis_cap, max_response_len=r.max_new_tokens,
-      chunk_rows=rl.chunk_rows, sampling=sampling), mesh=train_mesh(c))
+      chunk_rows=rl.chunk_rows, exact_tensor_parallel=rl.exact_tensor_parallel,
+      sampling=sampling), mesh=train_mesh(c))
   train_len = r.max_prompt_len + r.max_new_tokens
   data = iter(prompt_dataset(train_rows, batch_size=r.prompts_per_step, seed=c.seed,
                              process_index=jax.process_index(),

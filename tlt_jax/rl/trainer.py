@@ -64,6 +64,10 @@ class TrainConfig:
   max_response_len: int = 0   # Dr. GRPO's constant normaliser (tokens)
   chunk_rows: int = 16        # rows per length-bucketed chunk (a multiple of data x fsdp)
   length_bucket: int = 32     # chunks are padded to a multiple of this many tokens
+  # mesh.model > 1 in batch_invariant: split the model exactly (tensor_parallel.py; sampler ==
+  # trainer bitwise, MLP activations and logits whole on every device) or as XLA does
+  # (Megatron: 1/model of them, last-bit differences)
+  exact_tensor_parallel: bool = True
   sampling: SamplingParams = SamplingParams()
 
   def __post_init__(self):
@@ -183,7 +187,7 @@ class StepFunctions:
     # axes but model, and the split forward's gathers transpose accordingly (tensor_parallel).
     rows = P(mesh_lib.BATCH_AXES)
     model_size = self.mesh.shape["model"]
-    if model_size == 1:
+    if model_size == 1 or not self.cfg.exact_tensor_parallel:  # model axis: XLA (Megatron)
       return jax.shard_map(rows_logprobs, mesh=self.mesh, in_specs=(P(), P(), rows),
                            out_specs=(rows, rows), axis_names=set(mesh_lib.BATCH_AXES),
                            check_vma=False)(params, frozen, tokens)
@@ -287,7 +291,8 @@ class Trainer:
     has_lora = bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
     self.full_finetune = not has_lora
     wrt = nnx.LoRAParam if has_lora else nnx.Param
-    if mesh is not None and mesh.shape["model"] > 1 and ops.numerics() == "batch_invariant":
+    if (mesh is not None and mesh.shape["model"] > 1 and ops.numerics() == "batch_invariant"
+        and cfg.exact_tensor_parallel):
       # Exact tensor parallelism (`_logprobs`): keep the weights split the way it runs them.
       tp.check_model(model.cfg, mesh.shape["model"])
       state = nnx.state(model)
