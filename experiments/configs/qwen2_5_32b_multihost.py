@@ -41,9 +41,9 @@ def get_config(arg: str | None = None):
   # data=4 instead (LoRA grads only over the network) would keep 7.6 GiB of weights per GPU and
   # go 3.7 GiB over.
   c.mesh.data, c.mesh.fsdp, c.mesh.model = 1, 4, 8
-  # Exact tensor parallelism keeps the MLP activations whole on every GPU: a 9216-token chunk's
-  # residuals over 64 layers come to ~212 GiB per GPU (`python -m tlt_jax.plan`). Split as XLA
-  # does instead; the trainer's log-probs may then differ from the sampler's in the last bits
+  # Exact tensor parallelism keeps the gathered o_proj / down_proj inputs and the logits whole
+  # on every GPU: 111 GiB per GPU of 72 usable for a 9216-token chunk (`python -m tlt_jax.plan
+  # --config.rl.exact_tensor_parallel=True`). Split as XLA does instead; the trainer's log-probs may then differ from the sampler's in the last bits
   # (logp_abs_diff_max reports it).
   c.rl.exact_tensor_parallel = False
   c.plan.device_count, c.plan.device_memory_gib = 32, 80.0
