@@ -43,8 +43,8 @@ def get_config(arg: str | None = None):
   c.mesh.data, c.mesh.fsdp, c.mesh.model = 1, 4, 8
   # Exact tensor parallelism keeps the gathered o_proj / down_proj inputs and the logits whole
   # on every GPU: 111 GiB per GPU of 72 usable for a 9216-token chunk (`python -m tlt_jax.plan
-  # --config.rl.exact_tensor_parallel=True`). Split as XLA does instead; the trainer's log-probs may then differ from the sampler's in the last bits
-  # (logp_abs_diff_max reports it).
+  # --config.rl.exact_tensor_parallel=True`). Split as XLA does instead: the trainer's
+  # log-probs may then differ from the sampler's in the last bits (logp_abs_diff_max says).
   c.rl.exact_tensor_parallel = False
   c.plan.device_count, c.plan.device_memory_gib = 32, 80.0
   dist = c.distributed
