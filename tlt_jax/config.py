@@ -68,8 +68,8 @@ def default_config() -> ml_collections.ConfigDict:
       minibatches=1, epochs=1, eps_low=-1.0, eps_high=-1.0,  # < 0 = the loss's default
       chunk_rows=16,  # rows per length-sorted train chunk (gradients accumulate over chunks)
       # mesh.model > 1 with batch_invariant numerics: split the model exactly (sampler ==
-      # trainer log-probs bitwise; MLP activations and logits whole on every device), or as
-      # XLA does (1/model of them; last-bit differences, see logp_abs_diff_max)
+      # trainer log-probs bitwise; o_proj/down_proj inputs and logits kept whole on every
+      # device), or as XLA does (1/model of them; last-bit differences: logp_abs_diff_max)
       exact_tensor_parallel=True,
       kl_coef=0.0, kl_estimator="k3", tis_cap=2.0,
       overlong_buffer=0,  # DAPO soft overlong penalty over the last N tokens (0 = off)

@@ -18,7 +18,10 @@ f32: its algorithm changes with N. So this is exact with `backend="pallas"`, wha
 Attention (whole heads per device), the MLP's gate/up projections and the vocabulary projection
 split as in Megatron. The price is communication. Per layer there are four all-gathers: the
 attention output [rows, H*hd], o_proj's output [rows, D], the MLP activation [rows, F] and
-down_proj's output [rows, D]. Megatron does two all-reduces of [rows, D].
+down_proj's output [rows, D]. Megatron does two all-reduces of [rows, D]. And memory: the
+backward keeps the gathered inputs of o_proj and down_proj and the logits whole on every device,
+where Megatron keeps 1/model of them (`python -m tlt_jax.plan` counts them;
+`rl.exact_tensor_parallel=False` chooses XLA's split instead).
 
 The trainer stores its parameters split the same way (`storage_shardings`: `mesh.py`'s rules,
 with o_proj and down_proj split over their outputs rather than their inputs), so entering the
@@ -41,6 +44,8 @@ from jax._src import config as jax_config
 from jax._src.lax import parallel as jax_parallel
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tlt_jax import mesh as mesh_lib
+
 _AXIS: str | None = None  # the manual mesh axis the model is being traced over, if any
 
 # (regex on the '/'-joined NNX path, which dimension is split): every linear layer over its
@@ -62,10 +67,6 @@ def over(axis: str):
     yield
   finally:
     _AXIS = previous
-
-
-def axis() -> str | None:
-  return _AXIS
 
 
 def gather_features(x: jax.Array) -> jax.Array:
@@ -115,10 +116,8 @@ def split_dim(path: str) -> int | None:
 def param_specs(state, axis_name: str, size: int):
   """PartitionSpecs of an NNX state for `over(axis_name)` on `size` devices. A split
   dimension that `size` does not divide is an error: a partial split cannot be gathered back."""
-  from tlt_jax.mesh import _path_str
-
   def one(path, leaf):
-    name = _path_str(path)
+    name = mesh_lib._path_str(path)
     dim = split_dim(name)
     if dim is None:
       return P()
@@ -136,12 +135,9 @@ def storage_shardings(state, mesh):
   own rules (`mesh.param_spec`), with one change: a split parameter has "model" on its split
   dimension. For o_proj and down_proj, which the rules split over their input, that means
   swapping the two axes."""
-  from tlt_jax import mesh as mesh_lib
-
   def one(path, leaf):
     name = mesh_lib._path_str(path)
-    spec = list(mesh_lib.param_spec(name, leaf.shape, mesh)) + [None] * leaf.ndim
-    spec = spec[:leaf.ndim]
+    spec = list(mesh_lib.param_spec(name, leaf.shape, mesh))
     dim = split_dim(name)
     if dim is not None and spec[dim] != "model":
       other = [i for i, axis in enumerate(spec) if axis == "model"]

@@ -65,8 +65,8 @@ class TrainConfig:
   chunk_rows: int = 16        # rows per length-bucketed chunk (a multiple of data x fsdp)
   length_bucket: int = 32     # chunks are padded to a multiple of this many tokens
   # mesh.model > 1 in batch_invariant: split the model exactly (tensor_parallel.py; sampler ==
-  # trainer bitwise, MLP activations and logits whole on every device) or as XLA does
-  # (Megatron: 1/model of them, last-bit differences)
+  # trainer bitwise; o_proj/down_proj inputs and logits kept whole on every device for the
+  # backward) or as XLA does (Megatron: 1/model of them; last-bit differences)
   exact_tensor_parallel: bool = True
   sampling: SamplingParams = SamplingParams()
 
