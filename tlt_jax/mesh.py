@@ -119,11 +119,11 @@ def param_shardings(state, mesh: Mesh):
   return jax.tree_util.tree_map_with_path(one, state)
 
 
-def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
-  """Places every parameter of `model` on `mesh` per the rules (in place); returns the model."""
+def shard_model(model: nnx.Module, mesh: Mesh, shardings=param_shardings) -> nnx.Module:
+  """Places every parameter of `model` on `mesh` per the rules, or per another
+  `shardings(state, mesh)` (in place); returns the model."""
   state = nnx.state(model)
-  shardings = param_shardings(state, mesh)
-  nnx.update(model, jax.device_put(state, shardings))
+  nnx.update(model, jax.device_put(state, shardings(state, mesh)))
   return model
 
 

@@ -295,8 +295,7 @@ class Trainer:
         and cfg.exact_tensor_parallel):
       # Exact tensor parallelism (`_logprobs`): keep the weights split the way it runs them.
       tp.check_model(model.cfg, mesh.shape["model"])
-      state = nnx.state(model)
-      nnx.update(model, jax.device_put(state, tp.storage_shardings(state, mesh)))
+      mesh_lib.shard_model(model, mesh, tp.storage_shardings)
     elif mesh is not None:
       mesh_lib.shard_model(model, mesh)
     self.graphdef, self.trainable, self.frozen = nnx.split(model, wrt, ...)
