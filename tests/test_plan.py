@@ -92,7 +92,8 @@ def test_paper_model_sizes_and_kv_cache():
   c = _config("qwen2_5_7b_8gpu.py")
   r, m = c.rollout, c.model
   slots = -(-(r.max_prompt_len + r.max_new_tokens + 33) // 32) * 32  # tree8_4_32: 33 slots
-  rows_per_device = max(r.buckets) // (c.mesh.data * c.mesh.fsdp)
+  # each rollout group's largest bucket, the groups' rows split over data x fsdp
+  rows_per_device = max(r.buckets) * r.groups // (c.mesh.data * c.mesh.fsdp)
   kv = rows_per_device * slots * (m.num_kv_heads // c.mesh.model) * m.head_dim * 2 * 2 * (
       m.num_layers + 1)  # K and V, bf16, 28 layers + the drafter's
   outputs = rows_per_device * r.max_new_tokens * (m.hidden_size * 2 + 4 + 4)  # hidden, token, logp

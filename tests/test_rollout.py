@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import scipy.stats
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from tlt_jax import ops
 from tlt_jax.model.drafter import Drafter
@@ -164,6 +165,36 @@ def test_no_compile_after_warm_up():
     samples = engine.generate(PROMPTS[:3], group_size=1)  # refill, compaction, both arms
   assert compiles == [] and engine.pool.compiles == built
   assert len(samples) == 3 and {t.arm for t in engine.trace} == {OFF, "chain2"}
+
+
+def test_tensor_parallel_groups_are_bitwise_the_unsplit_engine():
+  """Two rollout groups of two devices, each splitting the model over its devices (exact tensor
+  parallelism, the Pallas kernels), decoding with a tree: every token and log-prob is bitwise
+  the single-device engine's plain decoding (per-query cache layouts, accepted paths moved and
+  compaction, all within caches split over the KV heads)."""
+  from tlt_jax.tlt.scheduler import GroupedRollout, group_sharding  # noqa: PLC0415
+
+  target, draft = _models()
+  devices = jax.devices()
+  cfg = dataclasses.replace(CFG, buckets=(2, 4))  # few programs: Pallas interprets on CPU
+  with ops.numerics_mode("batch_invariant", "pallas"):
+    reference = RolloutEngine(target, cfg, draft).generate(PROMPTS, group_size=2, arm=OFF)
+    grouped = GroupedRollout(target, cfg, [devices[:2], devices[2:4]], draft,
+                             tensor_parallel=True)
+    samples = grouped.generate(PROMPTS, group_size=2, arm="tree3_2_5")
+    prefill = grouped.engines[1].pool.get("prefill", 4)
+    with pytest.raises(ValueError, match="devices per rollout group=4 must divide num_heads=4 "
+                                         "and num_kv_heads=2"):
+      RolloutEngine(target, cfg, draft, placement=group_sharding(devices[:4]),
+                    tensor_parallel=True)
+  _assert_same(reference, sorted(samples, key=lambda s: s.sample_id))
+  chunks = [t for e in grouped.engines for t in e.trace]
+  assert {t.arm for t in chunks} == {"tree3_2_5"} and {t.bucket for t in chunks} == {2, 4}
+  assert max(t.accept_len for t in chunks) > 1.0  # some drafts were accepted
+  # The second group's KV caches (target and drafter) are split over its two devices' heads.
+  for cache in (prefill.output_shardings.cache, prefill.output_shardings.draft_cache):
+    assert cache.k[0].spec == P(None, None, "model"), cache.k[0]
+    assert list(cache.k[0].mesh.devices.flat) == devices[2:4]
 
 
 def _exact_first_two_token_probs(target, prompt, params):

@@ -40,7 +40,11 @@ def default_config() -> ml_collections.ConfigDict:
       prompts_per_step=16, group_size=8, max_prompt_len=32, max_new_tokens=192,
       temperature=1.0, top_k=0, top_p=1.0, chunk_steps=8,
       buckets=(1, 2, 4, 8, 16, 32, 64, 128), compaction=True, verification="gumbel",
-      groups=1))  # data-parallel rollout groups (the local devices split evenly)
+      # data-parallel rollout groups (the local devices split evenly)
+      groups=1,
+      # each group's devices split the model (exact tensor parallelism: with the Pallas
+      # kernels bitwise the unsplit engine) rather than each holding a whole copy
+      tensor_parallel=False))
   c.tlt = ml_collections.ConfigDict(dict(
       enabled=False,  # speculative decoding with the tuner and an EAGLE drafter
       arms="chain2,chain4",  # SD arms the tuner may pick, besides off (chainN, treeD_K_V)

@@ -279,9 +279,12 @@ def plan(c: ml_collections.ConfigDict, *, name: str = "config", lower: bool = Tr
   notes = [remat_note] + ([f"rl.chunk_rows={c.rl.chunk_rows} is not a multiple of data x "
                            f"fsdp={shards.batch}: the trainer refuses it (each device takes whole rows)"]
                           if c.rl.chunk_rows % shards.batch else []) + [
-      "assumed: engine and trainer both lay out on c.mesh as XLA partitions them. train.py "
-      "today replicates the engine over each rollout group's devices, and runs the trainer on "
-      "c.mesh over all devices of the run (several processes: one mesh across the hosts)"] + ([
+      "assumed: engine and trainer both lay out on c.mesh. The engine does so with "
+      "rollout.tensor_parallel=True and mesh.model devices per rollout group (local devices / "
+      "rollout.groups): each group splits the model over its devices, the groups split the "
+      "rows. Otherwise train.py replicates the engine over each group's devices. The trainer "
+      "runs on c.mesh over all devices of the run (several processes: one mesh across the "
+      "hosts)"] + ([
       "the batch-invariant trainer runs its forward in shard_map over data x fsdp: parameters "
       f"are gathered over fsdp at its entry, up to {_g(gathered)} GiB per device at once if XLA "
       "does not schedule the gathers per layer (counted above as per-layer)"]

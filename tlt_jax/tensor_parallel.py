@@ -84,6 +84,12 @@ def gather_features(x: jax.Array) -> jax.Array:
   return jax.lax.all_gather(x, _AXIS, axis=x.ndim - 1, tiled=True)
 
 
+def local_share(count: int) -> int:
+  """How many of `count` split units (heads) this device holds: count / axis size under `over`,
+  all of them outside it."""
+  return count if _AXIS is None else count // jax.lax.axis_size(_AXIS)
+
+
 def embed_lookup(table_VxD: jax.Array, tokens: jax.Array) -> jax.Array:
   """Embedding rows of `tokens` from a table split over its rows: the device holding a token's
   row contributes it, the others contribute zeros, and a sum over the axis joins them. Adding
@@ -97,10 +103,11 @@ def embed_lookup(table_VxD: jax.Array, tokens: jax.Array) -> jax.Array:
   return jax.lax.psum(jnp.where(here[..., None], rows, jnp.zeros_like(rows)), _AXIS)
 
 
-def check_model(cfg, size: int) -> None:
-  """Whole heads per device: `size` must divide the query and the KV heads."""
+def check_model(cfg, size: int, where: str = "mesh.model") -> None:
+  """Whole heads per device: `size` (named `where` in the error) must divide the query and the
+  KV heads."""
   if cfg.num_heads % size or cfg.num_kv_heads % size:
-    raise ValueError(f"exact tensor parallelism gives each device whole heads: mesh.model={size} "
+    raise ValueError(f"exact tensor parallelism gives each device whole heads: {where}={size} "
                      f"must divide num_heads={cfg.num_heads} and "
                      f"num_kv_heads={cfg.num_kv_heads}")
 
@@ -113,9 +120,10 @@ def split_dim(path: str) -> int | None:
   return None
 
 
-def param_specs(state, axis_name: str, size: int):
-  """PartitionSpecs of an NNX state for `over(axis_name)` on `size` devices. A split
-  dimension that `size` does not divide is an error: a partial split cannot be gathered back."""
+def param_specs(state, axis_name: str, size: int, where: str = "mesh.model"):
+  """PartitionSpecs of an NNX state for `over(axis_name)` on `size` devices (named `where` in
+  the error). A split dimension that `size` does not divide is an error: a partial split
+  cannot be gathered back."""
   def one(path, leaf):
     name = mesh_lib._path_str(path)
     dim = split_dim(name)
@@ -123,8 +131,8 @@ def param_specs(state, axis_name: str, size: int):
       return P()
     if leaf.shape[dim] % size:
       raise ValueError(f"exact tensor parallelism splits {name} (shape {tuple(leaf.shape)}) over "
-                       f"dimension {dim}, which mesh.model={size} does not divide; choose a "
-                       "mesh.model that divides the heads, kv heads, hidden, intermediate and "
+                       f"dimension {dim}, which {where}={size} does not divide; choose a "
+                       f"{where} that divides the heads, kv heads, hidden, intermediate and "
                        "vocabulary sizes")
     return P(*([None] * dim + [axis_name]))
   return jax.tree_util.tree_map_with_path(one, state)

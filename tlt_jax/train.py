@@ -173,7 +173,8 @@ def build_rollout(c, model, eos_ids, drafter=None):
   if drafter is not None and c.tlt.fixed_arm and c.tlt.fixed_arm not in {a.name for a in arms}:
     raise ValueError(f"tlt.fixed_arm={c.tlt.fixed_arm!r} is not one of tlt.arms={c.tlt.arms!r}")
   groups = [list(g) for g in np.array_split(np.array(devices, dtype=object), c.rollout.groups)]
-  return GroupedRollout(model, engine_config(c, eos_ids, arms), groups, drafter)
+  return GroupedRollout(model, engine_config(c, eos_ids, arms), groups, drafter,
+                        tensor_parallel=c.rollout.tensor_parallel)
 
 
 def run(c, name: str = "run") -> dict:
@@ -505,10 +506,12 @@ def main(argv) -> None:
   path = flags.FLAGS["config"].config_filename
   base = os.path.splitext(os.path.basename(path.split(":")[0]))[0]
   variant = path.split(":", 1)[1] if ":" in path else ""
-  groups = flags.FLAGS.config.rollout.groups
-  if groups > 1 and not determinism.host_devices_requested():
-    # On a CPU-only machine JAX sees one device; give each rollout group one (before JAX starts).
-    determinism.force_host_devices(groups)
+  c = flags.FLAGS.config
+  devices = c.rollout.groups * (c.mesh.model if c.rollout.tensor_parallel else 1)
+  if devices > 1 and not determinism.host_devices_requested():
+    # On a CPU-only machine JAX sees one device; give each rollout group one, or mesh.model
+    # when the groups split the model (before JAX starts).
+    determinism.force_host_devices(devices)
   summary = run(flags.FLAGS.config, name=f"{base}-{variant}" if variant else base)
   print(json.dumps({k: v for k, v in summary.items() if k not in ("eval_before", "eval_after")},
                    indent=2))

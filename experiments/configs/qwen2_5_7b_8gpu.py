@@ -54,9 +54,12 @@ def get_config(arg: str | None = None):
   r.max_prompt_len, r.max_new_tokens = 1024, 8192
   r.temperature = 1.0
   r.chunk_steps = 16
-  # At most 128 sequences decode at once (the other 384 wait for a free slot): 128 slots of
-  # 9.2K tokens are 12 GiB of KV per GPU, and prefilling 128 prompts another 25 GiB.
-  r.buckets = (1, 2, 4, 8, 16, 32, 64, 128)
+  # Two rollout groups of 4 GPUs, each splitting the model 4 ways as the trainer's mesh does
+  # (exact tensor parallelism: the Pallas kernels keep every token bitwise the unsplit engine's).
+  # At most 2 x 64 sequences decode at once (the other 384 wait for a free slot): 64 slots of
+  # 9.2K tokens are 12 GiB of KV per GPU, and prefilling 64 prompts another 25 GiB.
+  r.groups, r.tensor_parallel = 2, True
+  r.buckets = (1, 2, 4, 8, 16, 32, 64)
   t = c.tlt
   t.enabled = True
   t.arms = "chain2,chain4,tree8_4_32"  # TLT's default tree is 8 deep x top-4

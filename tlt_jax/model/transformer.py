@@ -93,7 +93,8 @@ class KVCache(NamedTuple):
 
 
 def init_cache(cfg: ModelConfig, batch: int, num_slots: int) -> KVCache:
-  shape = (batch, num_slots, cfg.num_kv_heads, cfg.head_dim)
+  # Under tensor parallelism (`tp.over`) a device caches the KV heads it computes.
+  shape = (batch, num_slots, tp.local_share(cfg.num_kv_heads), cfg.head_dim)
   zeros = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
   return KVCache(k=zeros, v=tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers)))
 

@@ -31,9 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pallas_kernels.common import round_up
 from tlt_jax import ops
+from tlt_jax import tensor_parallel as tp
 from tlt_jax.model.drafter import Drafter, check_fits
 from tlt_jax.model.transformer import KVCache, Transformer, init_cache
 from tlt_jax.rollout import sampling
@@ -42,6 +44,8 @@ from tlt_jax.rollout.tuner import OFF, Arm, Tuner, default_arms
 
 VERIFICATION_MODES = ("gumbel", "rejection")
 DRAFTER_NUMERICS = ("xla", "policy")
+_TP_AXIS = "model"  # a tensor-parallel engine's devices, the axis its layers are split over
+_TP_WHERE = "devices per rollout group"  # how errors name that axis's size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -527,35 +531,91 @@ class ProgramPool:
 
   Verify programs are per depth (the token count), shared by every arm with that depth; each SD
   arm is built only for the buckets the tuner may choose it in.
+
+  placement: where every program runs and every array lives, a data-parallel rollout group's
+  devices (None = JAX's default device). Without tensor parallelism everything is replicated
+  over them. With `tensor_parallel`, the group's devices split the model (`tlt_jax.
+  tensor_parallel`: every linear layer over its outputs, whole inputs gathered, the target's
+  and the drafter's KV caches over their KV heads), so a model too large for one device decodes
+  on several, and with the Pallas kernels every token and log-prob is bitwise the unsplit
+  engine's.
   """
 
   def __init__(self, target: Transformer, drafter: Drafter | None, cfg: EngineConfig,
                allowed_arms: dict[int, list[str]],
-               placement: jax.sharding.Sharding | None = None):
+               placement: jax.sharding.NamedSharding | None = None,
+               tensor_parallel: bool = False):
     self.cfg = cfg
-    # placement: where every program runs and every array lives (a data-parallel rollout group's
-    # devices, everything replicated over them); None = JAX's default device.
     self.placement = placement
-    self.graphdef, self.params = nnx.split(target)
-    self.params = self.place(self.params)
+    self.tp_mesh: Mesh | None = None
+    if tensor_parallel:
+      if placement is None:
+        raise ValueError("a tensor-parallel engine needs a placement (its devices)")
+      devices = np.array(list(placement.mesh.devices.flat))
+      tp.check_model(target.cfg, len(devices), _TP_WHERE)
+      self.tp_mesh = Mesh(devices, (_TP_AXIS,))
+    self.graphdef, params = nnx.split(target)
+    self.params = self.place(params)
     if drafter is not None:
-      self.draft_graphdef, self.draft_params = nnx.split(drafter)
-      self.draft_params = self.place(self.draft_params)
+      self.draft_graphdef, draft_params = nnx.split(drafter)
+      self.draft_params = self.place(draft_params)
     else:
       self.draft_graphdef, self.draft_params = None, None
     self.allowed_arms = allowed_arms
     self.programs: dict[tuple, Any] = {}
     self._shapes: dict[int, Slots] = {}
     self.compiles = 0  # programs this pool built or took from the process's shared ones
-    self._share_key = (self.graphdef, self.draft_graphdef, cfg, placement,
+    self._share_key = (self.graphdef, self.draft_graphdef, cfg, placement, tensor_parallel,
                        _signature(self.params), _signature(self.draft_params))
 
-  def place(self, tree):
-    return tree if self.placement is None else jax.device_put(tree, self.placement)
+  # -- where things live ---------------------------------------------------------------------
 
-  def _jit(self, fn, **kw):
+  def _param_specs(self, state):
+    if state is None or self.tp_mesh is None:
+      return None if state is None else jax.tree.map(lambda _: P(), state)
+    return tp.param_specs(state, _TP_AXIS, self.tp_mesh.size, _TP_WHERE)
+
+  def _slots_specs(self, slots: Slots):
+    """KV caches split over their KV heads ([B, S, K, hd]) under tensor parallelism; the rest
+    (tokens, flags, outputs: the same on every device) replicated."""
+    whole = jax.tree.map(lambda _: P(), slots)
+    if self.tp_mesh is None:
+      return whole
+    heads = lambda c: None if c is None else jax.tree.map(lambda _: P(None, None, _TP_AXIS), c)
+    return whole._replace(cache=heads(slots.cache), draft_cache=heads(slots.draft_cache))
+
+  def _shardings(self, specs):
+    """NamedShardings for a tree of PartitionSpecs (None: JAX's default placement)."""
+    if self.placement is None:
+      return None
+    mesh = self.tp_mesh if self.tp_mesh is not None else self.placement.mesh
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+  def place(self, state):
+    """Parameters (the target's or the drafter's) where the programs read them."""
+    if self.placement is None:
+      return state
+    if self.tp_mesh is None:
+      return jax.device_put(state, self.placement)
+    return jax.device_put(state, self._shardings(self._param_specs(state)))
+
+  def _jit(self, fn, in_specs, out_specs, *, split_model: bool = False, **kw):
+    """fn compiled on the placement, its arguments and results laid out by the specs. A program
+    that runs the models (`split_model`) runs, under tensor parallelism, once per device of the
+    group (a shard_map manual over the model axis) with the layers traced split."""
+    if self.tp_mesh is not None and split_model:
+      body = fn
+
+      def fn(*args):
+        with tp.over(_TP_AXIS):
+          return body(*args)
+      # check_vma=False: Pallas' interpret mode mis-types its loop carries in a checked
+      # shard_map (as in the trainer); the replicated outputs are computed alike on every device.
+      fn = jax.shard_map(fn, mesh=self.tp_mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
     if self.placement is not None:
-      kw.update(in_shardings=self.placement, out_shardings=self.placement)
+      kw.update(in_shardings=self._shardings(in_specs), out_shardings=self._shardings(out_specs))
     return jax.jit(fn, **kw)
 
   def _models(self, params, draft_params):
@@ -568,38 +628,46 @@ class ProgramPool:
   def _build(self, key):
     phase, bucket, extra = key
     cfg = self.cfg
+    models = (self._param_specs(self.params), self._param_specs(self.draft_params))
+    i32 = jax.ShapeDtypeStruct((), jnp.int32)
     if phase == "prefill":
       def fn(params, draft_params, prompts, lengths, sample_ids, max_new, seed):
         target, drafter = self._models(params, draft_params)
         return _prefill(target, drafter, cfg, prompts, lengths, sample_ids, max_new, seed)
-      i32 = jax.ShapeDtypeStruct((bucket,), jnp.int32)
-      args = (jax.ShapeDtypeStruct((bucket, cfg.max_prompt_len), jnp.int32), i32, i32, i32,
-              jax.ShapeDtypeStruct((), jnp.int32))
-      return self._jit(fn).lower(self.params, self.draft_params, *args).compile()
+      rows = jax.ShapeDtypeStruct((bucket,), jnp.int32)
+      args = (jax.ShapeDtypeStruct((bucket, cfg.max_prompt_len), jnp.int32), rows, rows, rows, i32)
+      program = self._jit(fn, (*models, *[P()] * len(args)),
+                          self._slots_specs(self.slots_shape(bucket)), split_model=True)
+      return program.lower(self.params, self.draft_params, *args).compile()
     slots = self.slots_shape(bucket)
+    slots_specs = self._slots_specs(slots)
     if phase == "decode":  # extra = arm name
       arm = next(a for a in cfg.arms if a.name == extra)
 
       def fn(params, draft_params, s, seed):
         target, drafter = self._models(params, draft_params)
         return _decode_chunk(target, drafter, cfg, arm, s, seed)
-      return self._jit(fn, donate_argnums=(2,)).lower(
-          self.params, self.draft_params, slots, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+      program = self._jit(fn, (*models, slots_specs, P()), (slots_specs, P(), P()),
+                          split_model=True, donate_argnums=(2,))
+      return program.lower(self.params, self.draft_params, slots, i32).compile()
     if phase == "insert":  # bucket = destination, extra = prefill bucket
       new = self.slots_shape(extra)
-      return self._jit(_insert, donate_argnums=(0,)).lower(
-          slots, new, jax.ShapeDtypeStruct((extra,), jnp.int32)).compile()
+      program = self._jit(_insert, (slots_specs, self._slots_specs(new), P()), slots_specs,
+                          donate_argnums=(0,))
+      return program.lower(slots, new, jax.ShapeDtypeStruct((extra,), jnp.int32)).compile()
     if phase == "compact":  # bucket = source, extra = destination
-      return self._jit(_compact).lower(slots, jax.ShapeDtypeStruct((extra,), jnp.int32),
-                                     jax.ShapeDtypeStruct((extra,), bool)).compile()
+      program = self._jit(_compact, (slots_specs, P(), P()),
+                          self._slots_specs(self.slots_shape(extra)))
+      return program.lower(slots, jax.ShapeDtypeStruct((extra,), jnp.int32),
+                           jax.ShapeDtypeStruct((extra,), bool)).compile()
     if phase == "finish":  # mark rows done (a stop string was found on the host)
-      return self._jit(lambda s, m: s._replace(done=s.done | m), donate_argnums=(0,)).lower(
-          slots, jax.ShapeDtypeStruct((bucket,), bool)).compile()
+      program = self._jit(lambda s, m: s._replace(done=s.done | m), (slots_specs, P()),
+                          slots_specs, donate_argnums=(0,))
+      return program.lower(slots, jax.ShapeDtypeStruct((bucket,), bool)).compile()
     if phase == "empty":
-      return self._jit(lambda: _empty(slots)).lower().compile()
+      return self._jit(lambda: _empty(slots), (), slots_specs).lower().compile()
     if phase == "hidden_row":
-      return self._jit(lambda h, r: h[r]).lower(
-          slots.out_hidden, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+      return self._jit(lambda h, r: h[r], (P(), P()), P()).lower(slots.out_hidden, i32).compile()
     raise KeyError(key)
 
   def slots_shape(self, bucket: int):
@@ -660,7 +728,10 @@ class RolloutEngine:
 
   def __init__(self, target: Transformer, cfg: EngineConfig, drafter: Drafter | None = None,
                tuner: Tuner | None = None, detokenize=None,
-               placement: jax.sharding.Sharding | None = None):
+               placement: jax.sharding.NamedSharding | None = None,
+               tensor_parallel: bool = False):
+    """placement / tensor_parallel: the devices the engine runs on, and whether they split the
+    model or each hold all of it (see `ProgramPool`)."""
     if cfg.stop_strings and detokenize is None:
       raise ValueError("stop_strings need a detokenize(token_ids) -> str function")
     self.detokenize = detokenize
@@ -675,7 +746,7 @@ class RolloutEngine:
     self.tuner = tuner or Tuner(cfg.arms, cfg.buckets,
                                 max_verify_tokens_per_bucket=cfg.max_verify_tokens_per_bucket,
                                 seed=cfg.seed)
-    self.pool = ProgramPool(target, drafter, cfg, self.tuner.allowed, placement)
+    self.pool = ProgramPool(target, drafter, cfg, self.tuner.allowed, placement, tensor_parallel)
     self.trace: list[ChunkTrace] = []
     self.target_tokens_processed = 0  # prefill + decode + verify tokens through the target
     self.prefill_rows = 0  # prompts prefilled (a mid-rollout SD switch must not add any)

@@ -214,13 +214,16 @@ class GroupedRollout:
 
   def __init__(self, target: Transformer, cfg: EngineConfig,
                device_groups: Sequence[Sequence[jax.Device]], drafter: Drafter | None = None,
-               detokenize: Callable | None = None):
+               detokenize: Callable | None = None, tensor_parallel: bool = False):
+    """tensor_parallel: each group's devices split the model (`engine.ProgramPool`) instead of
+    each holding all of it."""
     flat = [d for g in device_groups for d in g]
     if len(set(flat)) != len(flat) or not device_groups or any(len(g) == 0 for g in device_groups):
       raise ValueError("device groups must be non-empty and disjoint")
     self.device_groups = [tuple(g) for g in device_groups]
     self.engines = [RolloutEngine(target, cfg, drafter, detokenize=detokenize,
-                                  placement=group_sharding(g)) for g in self.device_groups]
+                                  placement=group_sharding(g), tensor_parallel=tensor_parallel)
+                    for g in self.device_groups]
     self.drafter_version = 0
     self.last_report: RolloutReport | None = None
 
