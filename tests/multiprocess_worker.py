@@ -27,7 +27,7 @@ def job(pid: int, port: int, workdir: str, steps: int) -> dict:
   c.workdir = workdir
   c.rl.steps = steps
   c.mesh.data, c.mesh.fsdp = 1, 4
-  c.rollout.prompts_per_step, c.rollout.group_size = 2, 2
+  c.rollout.prompts_per_step, c.rollout.group_size = 4, 2  # 2 prompts per process
   c.rollout.max_new_tokens, c.rollout.buckets = 40, (2,)
   c.rollout.groups = 2  # one group per local device: the drafter trains on a finished group's
   c.tlt.enabled, c.tlt.arms, c.tlt.row_len = True, "chain2", 64

@@ -104,21 +104,26 @@ def test_paper_model_sizes_and_kv_cache():
 
 
 def test_exact_tensor_parallelism_counts_its_whole_activations():
-  """mesh.model = 4, batch-invariant: the exact split keeps o_proj's and down_proj's gathered
-  inputs (every layer) and the logits whole on each device, where XLA's split keeps a quarter."""
-  exact = _plan("qwen2_5_7b_8gpu.py")
+  """mesh.model = 4, batch-invariant: without rl.tp_regather the exact split keeps o_proj's and
+  down_proj's gathered inputs (every layer) and the logits whole on each device, where XLA's
+  split keeps a quarter; with it, the backward gathers and recomputes them instead. Either way
+  the backward's dlogits are whole."""
+  exact = _plan("qwen2_5_7b_8gpu.py")  # rl.tp_regather=True, the default
   c = _config("qwen2_5_7b_8gpu.py")
-  c.plan.lower_layers, c.rl.exact_tensor_parallel = 1, False
+  c.plan.lower_layers, c.rl.tp_regather = 1, False
+  kept = plan_lib.plan(c, name="inputs kept")
+  c.rl.exact_tensor_parallel = False
   xla = plan_lib.plan(c, name="xla split")
   m, T = c.model, c.rollout.max_prompt_len + c.rollout.max_new_tokens
   rows = c.rl.chunk_rows // (c.mesh.data * c.mesh.fsdp)
-  whole = rows * T * (m.num_layers * (m.num_heads * m.head_dim + m.intermediate_size) * 2
-                      + m.vocab_size * 4)
-  extra = _row(exact, "train activations")["device_bytes"] - _row(
-      xla, "train activations")["device_bytes"]
-  # the residuals gain 3/4 of `whole`; the backward transient (dlogits here) at most the rest
-  assert 0.75 * whole <= extra <= whole + 2 * rows * T * m.vocab_size * 4, (extra, whole)
-  assert "exact tensor parallelism" in _row(exact, "train activations")["sharding"]
+  inputs = rows * T * m.num_layers * (m.num_heads * m.head_dim + m.intermediate_size) * 2
+  logits = rows * T * m.vocab_size * 4
+  train = lambda plan: _row(plan, "train activations")["device_bytes"]  # noqa: E731
+  assert train(kept) - train(exact) == pytest.approx(0.75 * (inputs + logits), rel=1e-9)
+  # regathered, only the backward transient (dlogits here, whole vocabulary) is larger
+  assert 0 < train(exact) - train(xla) <= 2 * logits, (exact, logits)
+  assert "recomputes the logits" in _row(exact, "train activations")["sharding"]
+  assert "o_proj/down_proj inputs and logits whole" in _row(kept, "train activations")["sharding"]
   assert "exact" not in _row(xla, "train activations")["sharding"]
 
 

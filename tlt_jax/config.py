@@ -37,6 +37,7 @@ def default_config() -> ml_collections.ConfigDict:
       use_chat_template=True, system_prompt="",
       shuffle=True))
   c.rollout = ml_collections.ConfigDict(dict(
+      # the whole step's prompts (several processes decode equal shares of them)
       prompts_per_step=16, group_size=8, max_prompt_len=32, max_new_tokens=192,
       temperature=1.0, top_k=0, top_p=1.0, chunk_steps=8,
       buckets=(1, 2, 4, 8, 16, 32, 64, 128), compaction=True, verification="gumbel",
@@ -72,9 +73,13 @@ def default_config() -> ml_collections.ConfigDict:
       minibatches=1, epochs=1, eps_low=-1.0, eps_high=-1.0,  # < 0 = the loss's default
       chunk_rows=16,  # rows per length-sorted train chunk (gradients accumulate over chunks)
       # mesh.model > 1 with batch_invariant numerics: split the model exactly (sampler ==
-      # trainer log-probs bitwise; o_proj/down_proj inputs and logits kept whole on every
-      # device), or as XLA does (1/model of them; last-bit differences: logp_abs_diff_max)
+      # trainer log-probs bitwise; the logits kept whole on every device), or as XLA does
+      # (1/model of them; last-bit differences: logp_abs_diff_max)
       exact_tensor_parallel=True,
+      # exact split: the backward all-gathers o_proj's and down_proj's inputs again instead of
+      # keeping them whole on every device (False: faster backward, ~L x rows x (H*hd + I)
+      # more activation memory per device; `python -m tlt_jax.plan` counts it)
+      tp_regather=True,
       kl_coef=0.0, kl_estimator="k3", tis_cap=2.0,
       overlong_buffer=0,  # DAPO soft overlong penalty over the last N tokens (0 = off)
       correct_weight=1.0, format_weight=0.0,
@@ -147,6 +152,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if d.num_processes < 1 or not -1 <= d.process_id < max(d.num_processes, 1):
     problems.append(f"distributed.process_id={d.process_id} must be -1 (detected) or in "
                     f"[0, distributed.num_processes={d.num_processes})")
+  elif c.rollout.prompts_per_step % d.num_processes:
+    problems.append(f"rollout.prompts_per_step={c.rollout.prompts_per_step} must be a multiple "
+                    f"of distributed.num_processes={d.num_processes} (each process decodes an "
+                    "equal share)")
   if problems:
     raise ValueError("invalid config: " + "; ".join(problems))
 

@@ -191,10 +191,12 @@ def _train_rows(c, mcfg, shards: _Shards, fsdp: int, layer_bytes: float) -> tupl
   g2, d2 = (g1, d1) if L == 1 else _residuals(c, mcfg, 2, shards)
   g_res, d_res = g1 + (L - 1) * (g2 - g1), d1 + (L - 1) * (d2 - d1)
   rdev = shards.rows(R)
-  if exact_tp:
-    # tensor_parallel.py: the traces above split as XLA would. On top of that, each layer keeps
-    # the whole gathered inputs of o_proj [H*hd] and down_proj [I] for their backward, and the
-    # model keeps the whole gathered logits [V] (f32), where XLA's split keeps 1/model.
+  if exact_tp and not c.rl.tp_regather:
+    # tensor_parallel.py: the traces above split as XLA would. On top of that, without
+    # rl.tp_regather each layer keeps the whole gathered inputs of o_proj [H*hd] and down_proj
+    # [I] for the backward, and the model the whole gathered logits [V] (f32), where XLA's split
+    # keeps 1/model. With it, the backward gathers and recomputes them instead (and the traces'
+    # 1/model of the logits is an overcount).
     whole = 1 - 1 / shards.model
     per_layer = rdev * T * (mcfg.num_heads * mcfg.head_dim + mcfg.intermediate_size) * \
         jnp.dtype(mcfg.dtype).itemsize
@@ -209,7 +211,9 @@ def _train_rows(c, mcfg, shards: _Shards, fsdp: int, layer_bytes: float) -> tupl
   transient = max(scores, dlogits) + gather
   split = "mlp/vocab/heads over model" if shards.model > 1 else ""
   if exact_tp:
-    split += ", o_proj/down_proj inputs and logits whole (exact tensor parallelism)"
+    split += (", exact tensor parallelism (the backward gathers o_proj/down_proj inputs "
+              "again and recomputes the logits; dlogits whole)" if c.rl.tp_regather else
+              ", o_proj/down_proj inputs and logits whole (exact tensor parallelism)")
   row = Row("train activations", "train", g_res + transient * shards.batch, d_res + transient,
             shards.rule(R, split) + f" ({rdev:g} rows/device)",
             f"{R} x {T} tokens: residuals {_g(d_res)} + backward transient {_g(transient)} GiB "

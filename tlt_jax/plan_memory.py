@@ -96,6 +96,7 @@ def _train_config(c) -> TrainConfig:
       eps_high=rl.eps_high if rl.eps_high >= 0 else None, kl_coef=rl.kl_coef,
       kl_estimator=rl.kl_estimator, tis_cap=rl.tis_cap, max_response_len=r.max_new_tokens,
       chunk_rows=rl.chunk_rows, exact_tensor_parallel=rl.exact_tensor_parallel,
+      tp_regather=rl.tp_regather,
       sampling=_sampling(c))
 
 
@@ -135,9 +136,11 @@ def _slots_shape(target, drafter, ecfg, rows: int):
 
 
 def _bucket_rows(c, ecfg) -> tuple[int, int]:
-  """(rows of one group's largest bucket, groups): the engine starts in the smallest bucket
-  that holds its share of the batch, or the largest bucket."""
-  r, groups = c.rollout, max(c.rollout.groups, 1)
+  """(rows of one group's largest bucket, groups of the whole run): every process runs
+  `rollout.groups` engines on its share of the step's prompts; an engine starts in the smallest
+  bucket that holds its share of the batch, or the largest bucket."""
+  r = c.rollout
+  groups = max(r.groups, 1) * max(c.distributed.num_processes, 1)
   share = -(-r.prompts_per_step * r.group_size // groups)
   return next((b for b in ecfg.buckets if b >= share), ecfg.buckets[-1]), groups
 

@@ -19,9 +19,10 @@ Attention (whole heads per device), the MLP's gate/up projections and the vocabu
 split as in Megatron. The price is communication. Per layer there are four all-gathers: the
 attention output [rows, H*hd], o_proj's output [rows, D], the MLP activation [rows, F] and
 down_proj's output [rows, D]. Megatron does two all-reduces of [rows, D]. And memory: the
-backward keeps the gathered inputs of o_proj and down_proj and the logits whole on every device,
-where Megatron keeps 1/model of them (`python -m tlt_jax.plan` counts them;
-`rl.exact_tensor_parallel=False` chooses XLA's split instead).
+backward keeps the logits whole on every device, where Megatron keeps 1/model of them, and, unless
+the backward gathers them again (`over(regather=True)`, the trainer's default: two more
+all-gathers per layer), the gathered inputs of o_proj and down_proj too (`python -m tlt_jax.plan`
+counts them; `rl.exact_tensor_parallel=False` chooses XLA's split instead).
 
 The trainer stores its parameters split the same way (`storage_shardings`: `mesh.py`'s rules,
 with o_proj and down_proj split over their outputs rather than their inputs), so entering the
@@ -29,8 +30,8 @@ split forward only gathers over fsdp, as the unsplit one does, and moves no weig
 devices of the model axis.
 
 Use: inside a `jax.shard_map` that is manual over the model axis, with parameters laid out by
-`param_specs`, trace the model under `over(axis)`; the model's layers call `gather_features` and
-`embed_lookup`, which do nothing outside it.
+`param_specs`, trace the model under `over(axis)`; the model's layers call `gather_features`,
+`linear_of_gathered` and `embed_lookup`, which do nothing outside it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax._src import config as jax_config
 from jax._src.lax import parallel as jax_parallel
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -47,6 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tlt_jax import mesh as mesh_lib
 
 _AXIS: str | None = None  # the manual mesh axis the model is being traced over, if any
+_REGATHER = False  # the backward gathers o_proj's / down_proj's inputs again (see `over`)
 
 # (regex on the '/'-joined NNX path, which dimension is split): every linear layer over its
 # output, the embedding table over the vocabulary (its rows). Everything else is whole.
@@ -59,14 +62,25 @@ _SPLIT_DIM: tuple[tuple[str, int], ...] = (
 
 
 @contextlib.contextmanager
-def over(axis: str):
-  """Trace the model split over the manual mesh axis `axis` (see the module docstring)."""
-  global _AXIS
-  previous, _AXIS = _AXIS, axis
+def over(axis: str, regather: bool = False):
+  """Trace the model split over the manual mesh axis `axis` (see the module docstring).
+
+  regather: o_proj and down_proj keep only this device's share of their input for the backward
+  and all-gather it again there, rather than keeping the whole gathered input: 1/size of that
+  memory, for one more all-gather of each in the backward (what a trainer wants; a forward
+  without autodiff is the same either way)."""
+  global _AXIS, _REGATHER
+  previous, _AXIS, _REGATHER = (_AXIS, _REGATHER), axis, regather
   try:
     yield
   finally:
-    _AXIS = previous
+    _AXIS, _REGATHER = previous
+
+
+def regathering() -> bool:
+  """Whether the model is traced split with `over(regather=True)`: a backward that gathers (or
+  recomputes) rather than keeping whole activations."""
+  return _AXIS is not None and _REGATHER
 
 
 def gather_features(x: jax.Array) -> jax.Array:
@@ -88,6 +102,18 @@ def local_share(count: int) -> int:
   """How many of `count` split units (heads) this device holds: count / axis size under `over`,
   all of them outside it."""
   return count if _AXIS is None else count // jax.lax.axis_size(_AXIS)
+
+
+def linear_of_gathered(linear, x_local: jax.Array) -> jax.Array:
+  """`linear` (a layer that reduces over its input) on the whole input, from this device's share
+  of its features; just `linear(x)` outside `over`."""
+  if _AXIS is None:
+    return linear(x_local)
+  if not _REGATHER:
+    return linear(gather_features(x_local))
+  # The rematerialized function's inputs (the share and the layer's weights) are all its
+  # backward keeps; the matmul's own forward is not recomputed (nothing needs its output).
+  return nnx.remat(lambda layer, x: layer(gather_features(x)))(linear, x_local)
 
 
 def embed_lookup(table_VxD: jax.Array, tokens: jax.Array) -> jax.Array:

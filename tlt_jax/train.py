@@ -235,7 +235,12 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   train_rows, eval_rows, data_report = load_rows(c)
 
   r = c.rollout
-  G, N = r.group_size, r.prompts_per_step * r.group_size
+  # rollout.prompts_per_step is the whole step's; each process decodes an equal share of it.
+  if r.prompts_per_step % jax.process_count():
+    raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the "
+                     f"{jax.process_count()} processes (each decodes an equal share)")
+  local_prompts = r.prompts_per_step // jax.process_count()
+  G, N = r.group_size, local_prompts * r.group_size  # N: this process's samples
   sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
   t = c.tlt
   drafter = None
@@ -261,9 +266,10 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
       eps_high=rl.eps_high if rl.eps_high >= 0 else None, kl_coef=rl.kl_coef,
       kl_estimator=rl.kl_estimator, tis_cap=rl.tis_cap, max_response_len=r.max_new_tokens,
       chunk_rows=rl.chunk_rows, exact_tensor_parallel=rl.exact_tensor_parallel,
+      tp_regather=rl.tp_regather,
       sampling=sampling), mesh=train_mesh(c))
   train_len = r.max_prompt_len + r.max_new_tokens
-  data = iter(prompt_dataset(train_rows, batch_size=r.prompts_per_step, seed=c.seed,
+  data = iter(prompt_dataset(train_rows, batch_size=local_prompts, seed=c.seed,
                              process_index=jax.process_index(),
                              process_count=jax.process_count(), shuffle=c.data.shuffle))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.checkpoint.keep,

@@ -18,7 +18,7 @@ m[-1]["content"]), answer=lambda d: d.reward_model.map(lambda r: r["ground_truth
 [ADVANCE] action tags) goes into --config.data.system_prompt if wanted.
 
 Fit (`python -m tlt_jax.plan`): ~70 of 72 usable GiB per GPU; 8K responses is the limit without
-remat in the trainer. More room: --config.rollout.max_new_tokens=6144, or buckets up to 64.
+remat in the trainer. More room: --config.rollout.max_new_tokens=6144, or buckets up to 16.
 """
 
 from tlt_jax.config import default_config
@@ -41,10 +41,11 @@ def get_config(arg: str | None = None):
   # data=4 instead (LoRA grads only over the network) would keep 7.6 GiB of weights per GPU and
   # go 3.7 GiB over.
   c.mesh.data, c.mesh.fsdp, c.mesh.model = 1, 4, 8
-  # Exact tensor parallelism keeps the gathered o_proj / down_proj inputs and the logits whole
-  # on every GPU: 111 GiB per GPU of 72 usable for a 9216-token chunk (`python -m tlt_jax.plan
-  # --config.rl.exact_tensor_parallel=True`). Split as XLA does instead: the trainer's
-  # log-probs may then differ from the sampler's in the last bits (logp_abs_diff_max says).
+  # Exact tensor parallelism needs the whole vocabulary's logit gradient on every GPU (10.4 GiB
+  # for a 9216-token chunk): 75.4 GiB per GPU of 72 usable, even with its backward gathering the
+  # o_proj / down_proj inputs again and recomputing the logits (`python -m tlt_jax.plan
+  # --config.rl.exact_tensor_parallel=True`). Split as XLA does instead: the trainer's log-probs
+  # may then differ from the sampler's in the last bits (logp_abs_diff_max says).
   c.rl.exact_tensor_parallel = False
   c.plan.device_count, c.plan.device_memory_gib = 32, 80.0
   dist = c.distributed
@@ -60,7 +61,11 @@ def get_config(arg: str | None = None):
   r.max_prompt_len, r.max_new_tokens = 1024, 8192
   r.temperature = 1.0
   r.chunk_steps = 16
-  r.buckets = (1, 2, 4, 8, 16, 32, 64, 128)
+  # 64 prompts in all: each of the 4 hosts decodes 16 x 8 samples on its 8 GPUs, which split the
+  # model 8 ways (exact tensor parallelism, KV heads over GPUs), 32 at a time: 128 of the 512
+  # samples decode at once.
+  r.tensor_parallel = True
+  r.buckets = (1, 2, 4, 8, 16, 32)
   t = c.tlt
   t.enabled = True
   t.arms = "chain2,chain4,tree8_4_32"

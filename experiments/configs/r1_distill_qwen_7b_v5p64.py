@@ -43,10 +43,10 @@ def get_config(arg: str | None = None):
   # 32 chips: model=4 splits the 4 KV heads (and one 17K-token row's activations) 4 ways, so the
   # train step fits; data=4 x fsdp=2 give 8 rows at a time; fsdp gathers stay within 2 chips.
   c.mesh.data, c.mesh.fsdp, c.mesh.model = 4, 2, 4
-  # Exact tensor parallelism would keep the gathered MLP inputs and logits of a 17K-token row
-  # whole on every chip: +23 GiB, 101.6 GiB of 85.5 (`python -m tlt_jax.plan`). Split as XLA
-  # does; logp_abs_diff_max reports the last-bit sampler/trainer differences that follow.
-  c.rl.exact_tensor_parallel = False
+  # Exact tensor parallelism (the default: sampler == trainer log-probs bitwise) fits because its
+  # backward gathers o_proj's / down_proj's inputs again and recomputes the logits
+  # (rl.tp_regather); keeping them whole would need 101.6 GiB of 85.5 (`python -m tlt_jax.plan
+  # --config.rl.tp_regather=False`).
   c.plan.device_count, c.plan.device_memory_gib = 32, 95.0
   # 8 hosts; Cloud TPU reports coordinator and process id to jax.distributed itself.
   c.distributed.num_processes, c.distributed.process_id = 8, -1
@@ -61,7 +61,11 @@ def get_config(arg: str | None = None):
   r.max_prompt_len, r.max_new_tokens = 1024, 16384
   r.temperature = 0.6  # DeepSeek's recommendation for the R1 distills (and DeepScaleR's)
   r.chunk_steps = 16
-  r.buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # 256 of the 512 samples decode at once
+  # 64 prompts in all: each of the 8 hosts decodes 8 x 8 samples on its 4 chips, which split the
+  # model as the trainer's mesh.model=4 does (exact tensor parallelism, KV heads over chips),
+  # 32 at a time: 256 of the 512 samples decode at once.
+  r.tensor_parallel = True
+  r.buckets = (1, 2, 4, 8, 16, 32)
   t = c.tlt
   t.enabled = True
   t.arms = "chain2,chain4,tree8_4_32"

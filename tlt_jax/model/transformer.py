@@ -100,7 +100,7 @@ def init_cache(cfg: ModelConfig, batch: int, num_slots: int) -> KVCache:
 
 
 class ForwardOut(NamedTuple):
-  logits_BxTxV: jax.Array  # f32
+  logits_BxTxV: jax.Array | None  # f32 (None when not asked for)
   hidden_BxTxD: jax.Array  # after the final norm: what lm_head (and the drafter) consume
   cache: KVCache | None
 
@@ -207,8 +207,9 @@ class Attention(nnx.Module):
       out = ops.attention(q, k_all, v_all, mask_BxTxS, scale=1.0 / math.sqrt(hd), causal=causal)
     else:
       out = _per_query_attention(q, k_all, v_all, mask_BxTxS, kv_index_BxTxS, 1.0 / math.sqrt(hd))
-    out = tp.gather_features(out.reshape(B, T, -1))  # o_proj reduces over all heads
-    return tp.gather_features(self.o_proj(out)), cache_k, cache_v
+    # o_proj reduces over all heads: it gets them all
+    out = tp.linear_of_gathered(self.o_proj, out.reshape(B, T, -1))
+    return tp.gather_features(out), cache_k, cache_v
 
 
 def _per_query_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, kv_index_BxTxS, scale):
@@ -236,8 +237,8 @@ class MLP(nnx.Module):
     self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=False, dtype=dt, rngs=rngs)
 
   def __call__(self, x):
-    h = tp.gather_features(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-    return tp.gather_features(self.down_proj(h))
+    h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+    return tp.gather_features(tp.linear_of_gathered(self.down_proj, h))
 
 
 class DecoderLayer(nnx.Module):
@@ -299,7 +300,7 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None, *,
                cache: KVCache | None = None, write_slot_B: jax.Array | None = None,
                mask_BxTxS: jax.Array | None = None,
-               kv_index_BxTxS: jax.Array | None = None) -> ForwardOut:
+               kv_index_BxTxS: jax.Array | None = None, logits: bool = True) -> ForwardOut:
     """Forward over T new tokens per row.
 
     Without a cache, attention is over the T tokens themselves (causal unless `mask_BxTxS` is
@@ -308,6 +309,7 @@ class Transformer(nnx.Module):
     is causal in slot order (slot <= the query's slot). Positions default to the slots.
     `kv_index_BxTxS` (with a cache and an explicit mask over virtual slots) gives each query its
     own slot layout: virtual slot s reads physical slot kv_index[b, t, s] (tree verification).
+    `logits=False` stops at the final norm (the caller applies `self.logits` itself).
     """
     B, T = tokens_BxT.shape
     if cache is None:
@@ -339,4 +341,4 @@ class Transformer(nnx.Module):
       new_v.append(cv)
     hidden = self.norm(x)
     new_cache = KVCache(tuple(new_k), tuple(new_v)) if cache is not None else None
-    return ForwardOut(self.logits(hidden), hidden, new_cache)
+    return ForwardOut(self.logits(hidden) if logits else None, hidden, new_cache)

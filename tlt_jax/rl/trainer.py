@@ -65,9 +65,12 @@ class TrainConfig:
   chunk_rows: int = 16        # rows per length-bucketed chunk (a multiple of data x fsdp)
   length_bucket: int = 32     # chunks are padded to a multiple of this many tokens
   # mesh.model > 1 in batch_invariant: split the model exactly (tensor_parallel.py; sampler ==
-  # trainer bitwise; o_proj/down_proj inputs and logits kept whole on every device for the
-  # backward) or as XLA does (Megatron: 1/model of them; last-bit differences)
+  # trainer bitwise; the logits kept whole on every device for the backward) or as XLA does
+  # (Megatron: 1/model of them; last-bit differences)
   exact_tensor_parallel: bool = True
+  # exact split: the backward all-gathers o_proj's and down_proj's inputs again (two more
+  # all-gathers per layer) instead of keeping them whole on every device
+  tp_regather: bool = True
   sampling: SamplingParams = SamplingParams()
 
   def __post_init__(self):
@@ -136,12 +139,19 @@ def make_batch(prompts: list[list[int]], responses: list[np.ndarray], sampler_lo
 def policy_logprobs(model, tokens_NxL: jax.Array, sampling: SamplingParams):
   """(log-probs [N, T] of tokens 1..L-1, per-position entropy [N, T]) under the masked,
   tempered distribution the sampler draws from."""
-  logits_NxTxV = model(tokens_NxL).logits_BxTxV[:, :-1]
-  masked = masked_logits(logits_NxTxV, sampling)
-  logp = ops.token_logprobs(masked, tokens_NxL[:, 1:])
-  logp_all = jax.nn.log_softmax(masked, axis=-1)
-  entropy = -jnp.sum(jnp.where(jnp.isfinite(logp_all), jnp.exp(logp_all) * logp_all, 0.0), -1)
-  return logp, entropy
+  hidden_NxTxD = model(tokens_NxL, logits=False).hidden_BxTxD[:, :-1]
+
+  def head(model, hidden_NxTxD):
+    masked = masked_logits(model.logits(hidden_NxTxD), sampling)
+    logp = ops.token_logprobs(masked, tokens_NxL[:, 1:])
+    logp_all = jax.nn.log_softmax(masked, axis=-1)
+    entropy = -jnp.sum(jnp.where(jnp.isfinite(logp_all), jnp.exp(logp_all) * logp_all, 0.0), -1)
+    return logp, entropy
+  if tp.regathering():
+    # Split exactly, the logits are whole [N, T, V] f32 on every device: the backward recomputes
+    # them (one more vocabulary matmul and gather) rather than keeping them.
+    head = nnx.remat(head)
+  return head(model, hidden_NxTxD)
 
 
 def _zero_lora(trainable):
@@ -196,7 +206,7 @@ class StepFunctions:
     # unsplit sampler's (with the Pallas kernels; see that module for the CPU twin).
 
     def split_rows_logprobs(params, frozen, tokens):
-      with tp.over("model"):
+      with tp.over("model", regather=self.cfg.tp_regather):
         return rows_logprobs(params, frozen, tokens)
     return jax.shard_map(split_rows_logprobs, mesh=self.mesh,
                          in_specs=(tp.param_specs(params, "model", model_size),

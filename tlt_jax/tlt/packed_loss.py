@@ -13,8 +13,10 @@ accepted first) 39%.
 Pass j computes depth j at every position at once. Position t reads pass j-1's feature
 predicted at t-1, and attends to exactly what the drafter's cache holds when it drafts t at depth
 j: pass-1 entries (written with target features) up to t-j+1, then the entries passes 2..j
-wrote at t-j+2..t. The passes share one cache of k x T slots (pass j writes block j) and differ
-only in their masks. Pass j's loss is on positions whose chain t-j+1..t lies in one document's
+wrote at t-j+2..t. The passes share one cache, which grows by T slots per pass: pass j writes
+block j and attends blocks 1..j, where its mask admits keys (a k x T cache for every pass made
+the attention cost grow as k^2: 4.9x one pass's step time at k = 3,
+`experiments/bench_drafter_unroll.py`). Pass j's loss is on positions whose chain t-j+1..t lies in one document's
 loss positions; the passes are weighted by `unroll_decay ** (j - 1)`.
 """
 
@@ -44,7 +46,8 @@ def attention_mask_BxTxT(segment_ids_BxT: jax.Array) -> jax.Array:
 
 
 def _depth_mask(same_BxTxT: jax.Array, depth: int, passes: int) -> jax.Array:
-  """[B, T, passes * T]: what a depth-`depth` draft at t attends (module docstring)."""
+  """[B, T, passes * T]: what a depth-`depth` draft at t attends in a cache of `passes` blocks
+  (module docstring)."""
   T = same_BxTxT.shape[1]
   rel_TxT = jnp.arange(T)[None, :] - jnp.arange(T)[:, None]  # key s - query t
   blocks = [same_BxTxT & (rel_TxT <= 1 - depth)[None]]
@@ -104,11 +107,14 @@ def unrolled_terms_packed(drafter: Drafter, target: Transformer, batch: PackedBa
       [jnp.zeros((B, 1), bool), (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)], axis=1)
   shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
   features_in = jnp.asarray(batch.features_in_BxTxD).astype(jnp.float32)
-  cache, valid, passes = drafter.init_cache(B, unroll * T), loss_mask, []
+  cache, valid, passes = drafter.init_cache(B, T), loss_mask, []
   for depth in range(1, unroll + 1):
+    if depth > 1:  # a fresh block of T slots for this pass to write
+      block = drafter.init_cache(B, T)
+      cache = jax.tree.map(lambda c, z: jnp.concatenate([c, z], axis=1), cache, block)
     terms = eagle_terms_packed(drafter, target, batch, features_in_BxTxD=features_in,
                                cache=cache, write_slot=(depth - 1) * T,
-                               mask_BxTxS=_depth_mask(same, depth, unroll))
+                               mask_BxTxS=_depth_mask(same, depth, depth))
     passes.append((terms, valid))
     cache = terms["cache"]
     # The next depth reads this pass's feature from t-1 where that was a trained prediction.

@@ -69,20 +69,24 @@ def _warmup(c, rollouts: int, steps: int, out: str, buffer_dir: str) -> dict:
                      train_lib.spot_config(c, online=False))
   batches = spot.refresh_data()
   spot.lend(device)
-  curve = []
+  curve, marks = [], []  # marks: (steps done, time) at each curve point
   bar = metrics.progress(total=steps, desc="drafter warm-up", unit="step")
   for i in range(steps):
     spot.step()
     bar.update(1)
     if i % 50 == 0 or i == steps - 1:
       curve.append({"step": i + 1, **spot.wait()})
+      marks.append((i + 1, time.perf_counter()))
   bar.close()
+  # Seconds per step between curve points; the first point (step 1) comes after the compile.
+  step_s = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(marks, marks[1:])]
   drafter, _ = spot.publish()
   path = save_drafter(drafter, out)
   report = {"drafter": path, "rollouts": rollouts if not buffer_dir else None,
             "buffer": buffer_dir or os.path.join(out, "buffer"), "examples": len(buffer),
             "tokens": buffer.num_tokens, "packed_batches": batches, "steps": steps,
             "final": curve[-1] if curve else {}, "curve": curve,
+            "step_s_median": float(np.median(step_s)) if step_s else None,
             "seconds": time.perf_counter() - start}
   with open(os.path.join(out, "warmup.json"), "w") as f:
     json.dump(report, f, indent=2)
