@@ -73,12 +73,12 @@ def default_config() -> ml_collections.ConfigDict:
       minibatches=1, epochs=1, eps_low=-1.0, eps_high=-1.0,  # < 0 = the loss's default
       chunk_rows=16,  # rows per length-sorted train chunk (gradients accumulate over chunks)
       # mesh.model > 1 with batch_invariant numerics: split the model exactly (sampler ==
-      # trainer log-probs bitwise; the logits kept whole on every device), or as XLA does
-      # (1/model of them; last-bit differences: logp_abs_diff_max)
+      # trainer log-probs bitwise; the logits' gradient whole on every device), or as XLA does
+      # (1/model of it; last-bit differences: logp_abs_diff_max)
       exact_tensor_parallel=True,
-      # exact split: the backward all-gathers o_proj's and down_proj's inputs again instead of
-      # keeping them whole on every device (False: faster backward, ~L x rows x (H*hd + I)
-      # more activation memory per device; `python -m tlt_jax.plan` counts it)
+      # exact split: the backward all-gathers o_proj's and down_proj's inputs again and
+      # recomputes the logits instead of keeping them whole on every device (False: a faster
+      # backward, ~rows x tokens x (L x (H*hd + I) + 2V) more bytes per device; `plan` counts it)
       tp_regather=True,
       kl_coef=0.0, kl_estimator="k3", tis_cap=2.0,
       overlong_buffer=0,  # DAPO soft overlong penalty over the last N tokens (0 = off)

@@ -18,11 +18,12 @@ f32: its algorithm changes with N. So this is exact with `backend="pallas"`, wha
 Attention (whole heads per device), the MLP's gate/up projections and the vocabulary projection
 split as in Megatron. The price is communication. Per layer there are four all-gathers: the
 attention output [rows, H*hd], o_proj's output [rows, D], the MLP activation [rows, F] and
-down_proj's output [rows, D]. Megatron does two all-reduces of [rows, D]. And memory: the
-backward keeps the logits whole on every device, where Megatron keeps 1/model of them, and, unless
-the backward gathers them again (`over(regather=True)`, the trainer's default: two more
-all-gathers per layer), the gathered inputs of o_proj and down_proj too (`python -m tlt_jax.plan`
-counts them; `rl.exact_tensor_parallel=False` chooses XLA's split instead).
+down_proj's output [rows, D]. Megatron does two all-reduces of [rows, D]. And memory: kept for
+the backward, the gathered inputs of o_proj and down_proj and the logits would be whole on every
+device, where Megatron keeps 1/model of them. Under `over(regather=True)` (the trainer's
+default, `rl.tp_regather`) the backward gathers those inputs again (`linear_of_gathered`: two
+more all-gathers per layer) and the trainer recomputes the logits; the logits' gradient is still
+whole (`python -m tlt_jax.plan` counts it; `rl.exact_tensor_parallel=False` chooses XLA's split).
 
 The trainer stores its parameters split the same way (`storage_shardings`: `mesh.py`'s rules,
 with o_proj and down_proj split over their outputs rather than their inputs), so entering the
@@ -68,7 +69,8 @@ def over(axis: str, regather: bool = False):
   regather: o_proj and down_proj keep only this device's share of their input for the backward
   and all-gather it again there, rather than keeping the whole gathered input: 1/size of that
   memory, for one more all-gather of each in the backward (what a trainer wants; a forward
-  without autodiff is the same either way)."""
+  without autodiff is the same either way). `regathering()` tells the caller to recompute its
+  whole logits likewise."""
   global _AXIS, _REGATHER
   previous, _AXIS, _REGATHER = (_AXIS, _REGATHER), axis, regather
   try:

@@ -65,11 +65,12 @@ class TrainConfig:
   chunk_rows: int = 16        # rows per length-bucketed chunk (a multiple of data x fsdp)
   length_bucket: int = 32     # chunks are padded to a multiple of this many tokens
   # mesh.model > 1 in batch_invariant: split the model exactly (tensor_parallel.py; sampler ==
-  # trainer bitwise; the logits kept whole on every device for the backward) or as XLA does
-  # (Megatron: 1/model of them; last-bit differences)
+  # trainer bitwise; the logits' gradient whole on every device) or as XLA does (Megatron:
+  # 1/model of it; last-bit differences)
   exact_tensor_parallel: bool = True
-  # exact split: the backward all-gathers o_proj's and down_proj's inputs again (two more
-  # all-gathers per layer) instead of keeping them whole on every device
+  # exact split: the backward all-gathers o_proj's and down_proj's inputs again and recomputes
+  # the logits (two more all-gathers per layer, one more vocabulary matmul) instead of keeping
+  # them whole on every device
   tp_regather: bool = True
   sampling: SamplingParams = SamplingParams()
 
