@@ -200,7 +200,9 @@ def test_tensor_parallel_trainer_keeps_per_row_logprobs_bitwise():
   with ops.numerics_mode("batch_invariant", "pallas"):
     batch, *_ = _batch(_model(cfg=cfg))  # sampler log-probs from the unsplit forward
     single = Trainer(_model(cfg=cfg), TrainConfig(chunk_rows=8, sampling=SAMPLING))
-    split = Trainer(_model(cfg=cfg), TrainConfig(chunk_rows=8, sampling=SAMPLING), mesh=mesh)
+    # head_chunk_tokens=4: the vocabulary head in chunks of 4 tokens (the last one padded)
+    split = Trainer(_model(cfg=cfg), TrainConfig(chunk_rows=8, sampling=SAMPLING,
+                                                 head_chunk_tokens=4), mesh=mesh)
     expected, _ = single.gradients(single.plan(batch)[0])
     grads, _ = split.gradients(split.plan(batch)[0])
     stats = split.step(batch)
@@ -218,8 +220,9 @@ def test_tensor_parallel_trainer_keeps_per_row_logprobs_bitwise():
 
 def test_tensor_parallel_backward_gathers_again_instead_of_keeping_whole_inputs():
   """rl.tp_regather: o_proj and down_proj keep only their device's share of their input for the
-  backward and all-gather it there again (and the logits are recomputed there). The gradients
-  are bitwise those of keeping the whole inputs, and the compiled gradient program needs less
+  backward and all-gather it there again (and the logits are recomputed there, the vocabulary
+  head in chunks of 4 tokens). The gradients are bitwise those of keeping the whole inputs and
+  running the head at once, and the compiled gradient program needs less
   memory, by most of what the plan counts for the inputs (XLA:CPU's buffer assignment realizes
   ~80% of it at this size; measured 2026-12-04)."""
   from tlt_jax import mesh as mesh_lib
@@ -232,7 +235,8 @@ def test_tensor_parallel_backward_gathers_again_instead_of_keeping_whole_inputs(
     batch, *_ = _batch(_model(cfg=cfg))
     for regather in (False, True):
       trainer = Trainer(_model(cfg=cfg), TrainConfig(chunk_rows=8, sampling=SAMPLING,
-                                                     tp_regather=regather), mesh=mesh)
+                                                     tp_regather=regather, head_chunk_tokens=4),
+                        mesh=mesh)
       (dev, weight), = trainer.plan(batch)[0]
       compiled = trainer._grad.lower(trainer.trainable, trainer.frozen, trainer.reference,
                                      weight, *dev, None, None, None).compile()

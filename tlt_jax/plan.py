@@ -204,15 +204,18 @@ def _train_rows(c, mcfg, shards: _Shards, fsdp: int, layer_bytes: float) -> tupl
     d_res += extra
     g_res += extra * shards.batch * shards.model
   scores = 3 * rdev * shards.over_model(mcfg.num_heads) * T * T * 4
-  vocab = mcfg.vocab_size if exact_tp else shards.over_model(mcfg.vocab_size)
-  dlogits = 2 * rdev * T * vocab * 4
+  if exact_tp and c.rl.tp_regather:  # whole vocabulary, one head chunk of tokens at a time
+    dlogits = 2 * rdev * min(T, _train_config(c).head_chunk_tokens) * mcfg.vocab_size * 4
+  else:
+    vocab = mcfg.vocab_size if exact_tp else shards.over_model(mcfg.vocab_size)
+    dlogits = 2 * rdev * T * vocab * 4
   # FSDP gathers one layer's weights (split only over model) going forward and again backward.
   gather = 2 * layer_bytes / shards.model if fsdp > 1 else 0.0
   transient = max(scores, dlogits) + gather
   split = "mlp/vocab/heads over model" if shards.model > 1 else ""
   if exact_tp:
     split += (", exact tensor parallelism (the backward gathers o_proj/down_proj inputs "
-              "again and recomputes the logits; dlogits whole)" if c.rl.tp_regather else
+              "again and recomputes the logits, whole, in head chunks)" if c.rl.tp_regather else
               ", o_proj/down_proj inputs and logits whole (exact tensor parallelism)")
   row = Row("train activations", "train", g_res + transient * shards.batch, d_res + transient,
             shards.rule(R, split) + f" ({rdev:g} rows/device)",

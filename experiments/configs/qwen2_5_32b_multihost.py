@@ -41,12 +41,10 @@ def get_config(arg: str | None = None):
   # data=4 instead (LoRA grads only over the network) would keep 7.6 GiB of weights per GPU and
   # go 3.7 GiB over.
   c.mesh.data, c.mesh.fsdp, c.mesh.model = 1, 4, 8
-  # Exact tensor parallelism needs the whole vocabulary's logit gradient on every GPU (10.4 GiB
-  # for a 9216-token chunk): 75.4 GiB per GPU of 72 usable, even with its backward gathering the
-  # o_proj / down_proj inputs again and recomputing the logits (`python -m tlt_jax.plan
-  # --config.rl.exact_tensor_parallel=True`). Split as XLA does instead: the trainer's log-probs
-  # may then differ from the sampler's in the last bits (logp_abs_diff_max says).
-  c.rl.exact_tensor_parallel = False
+  # Exact tensor parallelism (the default: sampler == trainer log-probs bitwise) fits because its
+  # backward gathers o_proj's / down_proj's inputs again and recomputes the logits a head chunk
+  # at a time (rl.tp_regather); keeping them whole would need 111 GiB of 72
+  # (`python -m tlt_jax.plan --config.rl.tp_regather=False`).
   c.plan.device_count, c.plan.device_memory_gib = 32, 80.0
   dist = c.distributed
   dist.num_processes, dist.process_id = 4, -1

@@ -72,6 +72,9 @@ class TrainConfig:
   # the logits (two more all-gathers per layer, one more vocabulary matmul) instead of keeping
   # them whole on every device
   tp_regather: bool = True
+  # ... and runs the vocabulary head over this many tokens of a row at a time, so its backward
+  # holds [rows, head_chunk_tokens, V] of logits and their gradient rather than the whole rows'
+  head_chunk_tokens: int = 1024
   sampling: SamplingParams = SamplingParams()
 
   def __post_init__(self):
@@ -80,8 +83,8 @@ class TrainConfig:
                        f"{sorted(algorithms.ADVANTAGES)}")
     if self.loss_name not in algorithms.LOSSES:
       raise ValueError(f"unknown loss {self.loss!r}; choose from {sorted(algorithms.LOSSES)}")
-    if self.minibatches < 1 or self.epochs < 1:
-      raise ValueError("minibatches and epochs must be >= 1")
+    if self.minibatches < 1 or self.epochs < 1 or self.head_chunk_tokens < 1:
+      raise ValueError("minibatches, epochs and head_chunk_tokens must be >= 1")
     if self.kl_estimator not in ("k1", "k3"):
       raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}")
 
@@ -137,22 +140,37 @@ def make_batch(prompts: list[list[int]], responses: list[np.ndarray], sampler_lo
   return Batch(tokens, mask, logp, np.asarray(advantages_N, np.float32), lengths)
 
 
-def policy_logprobs(model, tokens_NxL: jax.Array, sampling: SamplingParams):
+def policy_logprobs(model, tokens_NxL: jax.Array, sampling: SamplingParams,
+                    head_chunk_tokens: int = 1024):
   """(log-probs [N, T] of tokens 1..L-1, per-position entropy [N, T]) under the masked,
   tempered distribution the sampler draws from."""
   hidden_NxTxD = model(tokens_NxL, logits=False).hidden_BxTxD[:, :-1]
+  targets_NxT = tokens_NxL[:, 1:]
+  graphdef, state = nnx.split(model)
 
-  def head(model, hidden_NxTxD):
-    masked = masked_logits(model.logits(hidden_NxTxD), sampling)
-    logp = ops.token_logprobs(masked, tokens_NxL[:, 1:])
+  def head(state, hidden_NxCxD, targets_NxC):
+    masked = masked_logits(nnx.merge(graphdef, state).logits(hidden_NxCxD), sampling)
+    logp = ops.token_logprobs(masked, targets_NxC)
     logp_all = jax.nn.log_softmax(masked, axis=-1)
     entropy = -jnp.sum(jnp.where(jnp.isfinite(logp_all), jnp.exp(logp_all) * logp_all, 0.0), -1)
     return logp, entropy
-  if tp.regathering():
-    # Split exactly, the logits are whole [N, T, V] f32 on every device: the backward recomputes
-    # them (one more vocabulary matmul and gather) rather than keeping them.
-    head = nnx.remat(head)
-  return head(model, hidden_NxTxD)
+  if not tp.regathering():
+    return head(state, hidden_NxTxD, targets_NxT)
+  # Split exactly, the logits (and in the backward their gradient) are whole [N, T, V] f32 on
+  # every device. So the head runs over chunks of C tokens, and the backward recomputes each
+  # chunk's logits (one more vocabulary matmul and gather) rather than keeping them: it holds
+  # [N, C, V] at a time. Rows are independent in the batch-invariant kernels: the same bits.
+  N, T, D = hidden_NxTxD.shape
+  C = min(head_chunk_tokens, T)
+  pad = -T % C
+  hidden_KxNxCxD = jnp.pad(hidden_NxTxD, ((0, 0), (0, pad), (0, 0))).reshape(
+      N, -1, C, D).transpose(1, 0, 2, 3)
+  targets_KxNxC = jnp.pad(targets_NxT, ((0, 0), (0, pad))).reshape(N, -1, C).transpose(1, 0, 2)
+  chunk = jax.checkpoint(head)
+  logp_KxNxC, entropy_KxNxC = jax.lax.map(lambda hc: chunk(state, *hc),
+                                          (hidden_KxNxCxD, targets_KxNxC))
+  whole = lambda x_KxNxC: x_KxNxC.transpose(1, 0, 2).reshape(N, -1)[:, :T]  # noqa: E731
+  return whole(logp_KxNxC), whole(entropy_KxNxC)
 
 
 def _zero_lora(trainable):
@@ -185,7 +203,8 @@ class StepFunctions:
 
   def _logprobs(self, params, frozen, tokens):
     def rows_logprobs(params, frozen, tokens):
-      return policy_logprobs(nnx.merge(self.graphdef, params, frozen), tokens, self.cfg.sampling)
+      return policy_logprobs(nnx.merge(self.graphdef, params, frozen), tokens, self.cfg.sampling,
+                             self.cfg.head_chunk_tokens)
     if self.mesh is None or ops.numerics() != "batch_invariant":
       return rows_logprobs(params, frozen, tokens)  # XLA partitions it (GSPMD)
     # Batch-invariant kernels run per device on that device's whole rows: XLA cannot partition
