@@ -146,16 +146,15 @@ def policy_logprobs(model, tokens_NxL: jax.Array, sampling: SamplingParams,
   tempered distribution the sampler draws from."""
   hidden_NxTxD = model(tokens_NxL, logits=False).hidden_BxTxD[:, :-1]
   targets_NxT = tokens_NxL[:, 1:]
-  graphdef, state = nnx.split(model)
 
-  def head(state, hidden_NxCxD, targets_NxC):
-    masked = masked_logits(nnx.merge(graphdef, state).logits(hidden_NxCxD), sampling)
+  def head(hidden_NxCxD, targets_NxC):
+    masked = masked_logits(model.logits(hidden_NxCxD), sampling)
     logp = ops.token_logprobs(masked, targets_NxC)
     logp_all = jax.nn.log_softmax(masked, axis=-1)
     entropy = -jnp.sum(jnp.where(jnp.isfinite(logp_all), jnp.exp(logp_all) * logp_all, 0.0), -1)
     return logp, entropy
   if not tp.regathering():
-    return head(state, hidden_NxTxD, targets_NxT)
+    return head(hidden_NxTxD, targets_NxT)
   # Split exactly, the logits (and in the backward their gradient) are whole [N, T, V] f32 on
   # every device. So the head runs over chunks of C tokens, and the backward recomputes each
   # chunk's logits (one more vocabulary matmul and gather) rather than keeping them: it holds
@@ -167,8 +166,7 @@ def policy_logprobs(model, tokens_NxL: jax.Array, sampling: SamplingParams,
       N, -1, C, D).transpose(1, 0, 2, 3)
   targets_KxNxC = jnp.pad(targets_NxT, ((0, 0), (0, pad))).reshape(N, -1, C).transpose(1, 0, 2)
   chunk = jax.checkpoint(head)
-  logp_KxNxC, entropy_KxNxC = jax.lax.map(lambda hc: chunk(state, *hc),
-                                          (hidden_KxNxCxD, targets_KxNxC))
+  logp_KxNxC, entropy_KxNxC = jax.lax.map(lambda hc: chunk(*hc), (hidden_KxNxCxD, targets_KxNxC))
   whole = lambda x_KxNxC: x_KxNxC.transpose(1, 0, 2).reshape(N, -1)[:, :T]  # noqa: E731
   return whole(logp_KxNxC), whole(entropy_KxNxC)
 
