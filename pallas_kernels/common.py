@@ -9,9 +9,25 @@ from jax._src import config as jax_config
 from jax._src import core as jax_core
 
 
+def target_platform() -> str:
+  """Where the computation being traced will run: "gpu", "tpu" or "cpu".
+
+  The default device, when one is set, wins over the default backend: a test that places its
+  mesh on host devices of a GPU machine (`jax.default_device(jax.devices("cpu")[0])`) gets the
+  CPU kernels, and an ahead-of-time compile for an abstract TPU or H100 device (see
+  `pallas_kernels.targets`) gets that target's kernels, though no such chip is attached.
+  """
+  device = jax.config.jax_default_device
+  if device is None:
+    platform = jax.default_backend()
+  else:
+    platform = device if isinstance(device, str) else device.platform
+  return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+
+
 def default_interpret() -> bool:
   """Pallas compiles only for GPU/TPU; everywhere else the kernel runs in interpret mode."""
-  return jax.default_backend() not in ("gpu", "tpu")
+  return target_platform() not in ("gpu", "tpu")
 
 
 def out_struct(shape, dtype, *inputs: jax.Array) -> jax.ShapeDtypeStruct:

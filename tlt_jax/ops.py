@@ -31,6 +31,7 @@ from jax._src import config as jax_config
 from tlt_jax import determinism
 
 from pallas_kernels import attention as attention_kernels
+from pallas_kernels import common as common_kernels
 from pallas_kernels import logsoftmax as logsoftmax_kernels
 from pallas_kernels import matmul as matmul_kernels
 from pallas_kernels import rmsnorm as rmsnorm_kernels
@@ -85,7 +86,7 @@ def backend() -> str:
     return "xla"
   chosen = _backend_state.value
   if chosen == "auto":
-    return "pallas" if jax.default_backend() in ("gpu", "tpu") else "blocked_jax"
+    return "pallas" if common_kernels.target_platform() in ("gpu", "tpu") else "blocked_jax"
   return chosen
 
 
