@@ -12,6 +12,13 @@ is 256+256+256+232, whatever else runs). Here:
   bitwise unchanged (alpha = exp(0) = 1), so a longer cache (more splits) gives the same result.
 The same kernel serves prefill, one-token decode, multi-token verify and tree masks: they differ
 only in the number of query rows and in the mask.
+
+Per backend (each batch-invariant on its own):
+- GPU (Triton): a program walks the whole KV axis from global memory; head_dim is padded with
+  zeros to a power of 2 (Triton's arrays must be), which adds exact zeros to every q.k.
+- TPU (Mosaic): VMEM cannot hold a row's whole cache (32768 keys), so the KV axis is the grid's
+  last, sequential axis in blocks of `TPU_KV_BLOCK` (128-lane aligned), with the running
+  (max, sum, out) in VMEM scratch: the same online softmax, one block per grid step, in order.
 """
 
 from __future__ import annotations
@@ -22,10 +29,20 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, out_struct, pad_axis, round_up, tree_sum
+from pallas_kernels.common import (default_interpret, dot_f32, kernel_layout, next_pow2, out_struct,
+                                   pad_axis, round_up, tpu_params, tree_sum, vmem)
 
 KV_SPLIT = 32  # keys per step of the online softmax; KV caches are padded to a multiple of this
 BLOCK_Q = 16   # query rows (tokens x query heads of one KV head) per program
+TPU_KV_BLOCK = 512  # keys per grid step on TPU (a multiple of the 128 lanes a mask slice needs)
+TPU_LANES = 128     # the running max and sum are kept broadcast over one lane-dense row
+KV_MULTIPLE = {"cpu": KV_SPLIT, "gpu": KV_SPLIT, "tpu": TPU_KV_BLOCK}
+
+
+def kv_cache_multiple() -> int:
+  """KV caches are sized to a multiple of this for the current target, so the kernel never
+  pads (copies) a cache to its KV block."""
+  return KV_MULTIPLE[kernel_layout(None, default_interpret())]
 
 
 def attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale: float) -> jax.Array:
@@ -62,20 +79,24 @@ def _query_rows(q_BxTxHxD, K: int, mask_BxTxS):
   return q_BxKxRxD, jnp.repeat(mask_BxTxS, G, axis=1)
 
 
-def _to_rows(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, block_rows: int):
-  """Kernel layout: rows padded to `block_rows`, KV as [B, K, S, D] padded to KV_SPLIT."""
+def _to_rows(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, block_rows: int,
+             kv_multiple: int = KV_SPLIT, head_dim_multiple: int = 1):
+  """Kernel layout: rows padded to `block_rows`, KV as [B, K, S, D] padded to `kv_multiple`,
+  head_dim zero-padded to `head_dim_multiple`."""
   _check_shapes(q_BxTxHxD, k_BxSxKxD, mask_BxTxS)
   q_BxKxRxD, mask_BxRxS = _query_rows(q_BxTxHxD, k_BxSxKxD.shape[2], mask_BxTxS)
-  q_BxKxRxD = pad_axis(q_BxKxRxD, 2, block_rows)
-  mask_BxRxS = pad_axis(pad_axis(mask_BxRxS, 1, block_rows, False), 2, KV_SPLIT, False)
-  k_BxKxSxD = pad_axis(k_BxSxKxD.transpose(0, 2, 1, 3), 2, KV_SPLIT)
-  v_BxKxSxD = pad_axis(v_BxSxKxD.transpose(0, 2, 1, 3), 2, KV_SPLIT)
+  q_BxKxRxD = pad_axis(pad_axis(q_BxKxRxD, 2, block_rows), 3, head_dim_multiple)
+  mask_BxRxS = pad_axis(pad_axis(mask_BxRxS, 1, block_rows, False), 2, kv_multiple, False)
+  k_BxKxSxD = pad_axis(pad_axis(k_BxSxKxD.transpose(0, 2, 1, 3), 2, kv_multiple), 3,
+                       head_dim_multiple)
+  v_BxKxSxD = pad_axis(pad_axis(v_BxSxKxD.transpose(0, 2, 1, 3), 2, kv_multiple), 3,
+                       head_dim_multiple)
   return q_BxKxRxD, k_BxKxSxD, v_BxKxSxD, mask_BxRxS
 
 
 def _from_rows(out_BxKxRxD, B, T, H, D):
   K = out_BxKxRxD.shape[1]
-  out = out_BxKxRxD[:, :, :T * (H // K)].reshape(B, K, T, H // K, D)
+  out = out_BxKxRxD[:, :, :T * (H // K), :D].reshape(B, K, T, H // K, D)
   return out.transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
 
 
@@ -104,13 +125,12 @@ def _attention_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale: float, num
     num_splits = jnp.minimum(num_splits, last_position // KV_SPLIT + 1)
 
   def split_step(j, state):
-    cols = pl.ds(j * KV_SPLIT, KV_SPLIT)
+    cols = pl.ds(pl.multiple_of(j * KV_SPLIT, KV_SPLIT), KV_SPLIT)
     k_CxD = k_ref[cols, :]
     v_CxD = v_ref[cols, :]
-    s = jax.lax.dot_general(q_RxD, k_CxD, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * scale
+    s = dot_f32(q_RxD, k_CxD, ((1,), (1,))) * scale
     s = jnp.where(mask_ref[:, cols] != 0, s, -jnp.inf)
-    pv = lambda p: jnp.dot(p.astype(v_CxD.dtype), v_CxD, preferred_element_type=jnp.float32)
+    pv = lambda p: dot_f32(p.astype(v_CxD.dtype), v_CxD)
     return _online_softmax_step(state, s, pv)
 
   init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
@@ -119,26 +139,98 @@ def _attention_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale: float, num
   o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "causal", "interpret"))
+def _widen(x_RxL, width: int):
+  """A per-row value kept broadcast over TPU_LANES lanes, as `width` lanes (same values)."""
+  if width <= TPU_LANES:
+    return x_RxL[:, :width]
+  return jnp.tile(x_RxL, (1, width // TPU_LANES))
+
+
+def _attention_kernel_tpu(q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, acc_ref, *,
+                          scale: float, causal_group: int):
+  """One (batch row, KV head, query block, KV block) grid step of the online softmax."""
+  j = pl.program_id(3)
+  rows, D = q_ref.shape
+  kv_block = k_ref.shape[0]
+
+  @pl.when(j == 0)
+  def _():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  def update():  # `_online_softmax_step`, with (max, sum) broadcast over lanes
+    s = dot_f32(q_ref[...], k_ref[...], ((1,), (1,))) * scale
+    s = jnp.where(mask_ref[...] != 0, s, -jnp.inf)
+    m_prev = m_ref[...]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen no key yet
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.exp(s - _widen(m_safe, kv_block))
+    l_ref[...] = l_ref[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
+    acc_ref[...] = acc_ref[...] * _widen(alpha, D) + dot_f32(p.astype(v_ref.dtype), v_ref[...])
+    m_ref[...] = m_new
+
+  if causal_group:  # blocks past the last row's position hold no visible key: skip them
+    last_position = ((pl.program_id(2) + 1) * rows - 1) // causal_group
+    pl.when(j * kv_block <= last_position)(update)
+  else:
+    update()
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _():
+    l = l_ref[...]
+    o_ref[...] = (acc_ref[...] / _widen(jnp.where(l == 0.0, 1.0, l), D)).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "interpret", "layout"))
 def attention_pallas(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale: float,
-                     causal: bool = False, *, interpret: bool | None = None) -> jax.Array:
+                     causal: bool = False, *, interpret: bool | None = None,
+                     layout: str | None = None) -> jax.Array:
   """GQA attention; `mask` is True where a query may attend a key slot. `causal`: the caller
   promises query t sees no key past index t, so each block stops after its last position's
   split (the splits it skips would leave the running state bitwise unchanged)."""
   if interpret is None:
     interpret = default_interpret()
+  layout = kernel_layout(layout, interpret)
   B, T, H, D = q_BxTxHxD.shape
-  q, k, v, mask = _to_rows(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, BLOCK_Q)
-  K, Rp, Sp = q.shape[1], q.shape[2], k.shape[2]
+  causal_group = H // k_BxSxKxD.shape[2] if causal else 0
+  if layout == "tpu":
+    # A head_dim over 128 lanes must be whole lane rows (256 is; 192 would be padded to 256).
+    head_dim_multiple = TPU_LANES if D > TPU_LANES else 1
+    q, k, v, mask = _to_rows(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, BLOCK_Q,
+                             TPU_KV_BLOCK, head_dim_multiple)
+    K, Rp, Sp, Dp = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    out = pl.pallas_call(
+        functools.partial(_attention_kernel_tpu, scale=scale, causal_group=causal_group),
+        grid=(B, K, Rp // BLOCK_Q, Sp // TPU_KV_BLOCK),
+        in_specs=[pl.BlockSpec((None, None, BLOCK_Q, Dp), lambda b, h, i, j: (b, h, i, 0)),
+                  pl.BlockSpec((None, None, TPU_KV_BLOCK, Dp), lambda b, h, i, j: (b, h, j, 0)),
+                  pl.BlockSpec((None, None, TPU_KV_BLOCK, Dp), lambda b, h, i, j: (b, h, j, 0)),
+                  pl.BlockSpec((None, BLOCK_Q, TPU_KV_BLOCK), lambda b, h, i, j: (b, i, j))],
+        out_specs=pl.BlockSpec((None, None, BLOCK_Q, Dp), lambda b, h, i, j: (b, h, i, 0)),
+        out_shape=out_struct(q.shape, q_BxTxHxD.dtype, q, k, v, mask),
+        scratch_shapes=[vmem((BLOCK_Q, TPU_LANES), jnp.float32),
+                        vmem((BLOCK_Q, TPU_LANES), jnp.float32),
+                        vmem((BLOCK_Q, Dp), jnp.float32)],
+        compiler_params=tpu_params("parallel", "parallel", "parallel", "arbitrary"),
+        interpret=interpret,
+    )(q, k, v, mask.astype(jnp.int32))
+    return _from_rows(out, B, T, H, D)
+  # Triton: every array a power of 2, and a dot's dimensions at least 16.
+  head_dim_multiple = max(next_pow2(D), 16) if layout == "gpu" else 1
+  q, k, v, mask = _to_rows(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, BLOCK_Q, KV_SPLIT,
+                           head_dim_multiple)
+  K, Rp, Sp, Dp = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
   out = pl.pallas_call(
       functools.partial(_attention_kernel, scale=scale, num_splits=Sp // KV_SPLIT,
-                        causal_group=H // K if causal else 0),
+                        causal_group=causal_group),
       grid=(B, K, Rp // BLOCK_Q),
-      in_specs=[pl.BlockSpec((None, None, BLOCK_Q, D), lambda b, h, i: (b, h, i, 0)),
-                pl.BlockSpec((None, None, Sp, D), lambda b, h, i: (b, h, 0, 0)),
-                pl.BlockSpec((None, None, Sp, D), lambda b, h, i: (b, h, 0, 0)),
+      in_specs=[pl.BlockSpec((None, None, BLOCK_Q, Dp), lambda b, h, i: (b, h, i, 0)),
+                pl.BlockSpec((None, None, Sp, Dp), lambda b, h, i: (b, h, 0, 0)),
+                pl.BlockSpec((None, None, Sp, Dp), lambda b, h, i: (b, h, 0, 0)),
                 pl.BlockSpec((None, BLOCK_Q, Sp), lambda b, h, i: (b, i, 0))],
-      out_specs=pl.BlockSpec((None, None, BLOCK_Q, D), lambda b, h, i: (b, h, i, 0)),
+      out_specs=pl.BlockSpec((None, None, BLOCK_Q, Dp), lambda b, h, i: (b, h, i, 0)),
       out_shape=out_struct(q.shape, q_BxTxHxD.dtype, q, k, v, mask),
       interpret=interpret,
   )(q, k, v, mask.astype(jnp.int32))

@@ -41,6 +41,53 @@ def out_struct(shape, dtype, *inputs: jax.Array) -> jax.ShapeDtypeStruct:
                               manual_axis_type=jax_core.ManualAxisType(varying=varying))
 
 
+LAYOUTS = ("cpu", "gpu", "tpu")
+
+
+def kernel_layout(layout: str | None, interpret: bool) -> str:
+  """Which backend's block shapes a kernel uses: given, else the target's.
+
+  Each backend compiles its own blocking (Triton needs power-of-2 arrays, Mosaic 128-lane
+  aligned slices and bounded VMEM), and each is batch-invariant on its own. Interpret mode on a
+  host keeps the "cpu" layout unless a test asks for another, so the CPU bits do not move and
+  the GPU and TPU layouts can still be run, and checked, on a CPU.
+  """
+  if layout is not None:
+    if layout not in LAYOUTS:
+      raise ValueError(f"kernel layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+  platform = target_platform()
+  return platform if (platform in ("gpu", "tpu") and not interpret) else "cpu"
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def tpu_params(*semantics: str):
+  """Mosaic compiler parameters: the grid axes' semantics ("parallel" / "arbitrary")."""
+  from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415 (TPU-only module)
+
+  return pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+def vmem(shape, dtype):
+  from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415 (TPU-only module)
+
+  return pltpu.VMEM(shape, dtype)
+
+
+def dot_f32(a: jax.Array, b: jax.Array, contract=((1,), (0,))) -> jax.Array:
+  """A 2-D dot inside a kernel, accumulated in f32, at full precision for f32 inputs.
+
+  Triton's default for an f32 dot is TF32 (10 mantissa bits): 3e-4 off in a 300-long sum. f32
+  here means f32, so f32 inputs ask for HIGHEST (Triton: IEEE; Mosaic: full-precision passes).
+  """
+  precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
 def round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 

@@ -16,12 +16,18 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, map_row_blocks, out_struct, pad_axis
+from pallas_kernels.common import (default_interpret, dot_f32, kernel_layout, map_row_blocks,
+                                   out_struct, pad_axis, tpu_params, vmem)
 
-# (bm, bn, bk) per input dtype: one configuration, used for every shape.
+# (bm, bn, bk) per input dtype and layout: one configuration per backend, used for every shape.
+# GPU (Triton): each program holds a [bm, K] strip of x and a [K, bn] strip of w in global memory
+# and walks K in power-of-2 blocks. TPU (Mosaic): K is the grid's last, sequential axis with an
+# f32 accumulator in VMEM, so a K of 18944 (Qwen2.5-7B's down_proj) needs no K-long strip in
+# VMEM; tiles are 128-lane aligned and big enough to feed the MXU.
 PALLAS_BLOCKS = {
-    jnp.dtype(jnp.float32): (32, 128, 128),
-    jnp.dtype(jnp.bfloat16): (32, 128, 256),
+    "cpu": {jnp.dtype(jnp.float32): (32, 128, 128), jnp.dtype(jnp.bfloat16): (32, 128, 256)},
+    "gpu": {jnp.dtype(jnp.float32): (32, 128, 128), jnp.dtype(jnp.bfloat16): (32, 128, 256)},
+    "tpu": {jnp.dtype(jnp.float32): (128, 256, 512), jnp.dtype(jnp.bfloat16): (128, 256, 512)},
 }
 # Rows per block of the pure-JAX path: one [bm, K] x [K, N] dot per block (whole K in one dot).
 BLOCKED_JAX_ROWS = 8
@@ -37,29 +43,60 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, bk: int, num_k_blocks: int):
   bm, bn = o_ref.shape
 
   def k_step(kb, acc_bmxbn):
-    x_blk = x_ref[:, pl.ds(kb * bk, bk)]
-    w_blk = w_ref[pl.ds(kb * bk, bk), :]
-    return acc_bmxbn + jnp.dot(x_blk, w_blk, preferred_element_type=jnp.float32)
+    start = pl.multiple_of(kb * bk, bk)
+    x_blk = x_ref[:, pl.ds(start, bk)]
+    w_blk = w_ref[pl.ds(start, bk), :]
+    return acc_bmxbn + dot_f32(x_blk, w_blk)
 
   acc = jax.lax.fori_loop(0, num_k_blocks, k_step, jnp.zeros((bm, bn), jnp.float32))
   o_ref[...] = acc.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def matmul_pallas(x_MxK: jax.Array, w_KxN: jax.Array, *, interpret: bool | None = None) -> jax.Array:
-  """[M, K] @ [K, N] with the fixed tile of `PALLAS_BLOCKS` for the input dtype."""
+def _matmul_kernel_tpu(x_ref, w_ref, o_ref, acc_ref):
+  """One (i, j, k) grid step: acc += x[i, k] @ w[k, j]; k runs in order (an "arbitrary" axis)."""
+  k = pl.program_id(2)
+
+  @pl.when(k == 0)
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  acc_ref[...] = acc_ref[...] + dot_f32(x_ref[...], w_ref[...])
+
+  @pl.when(k == pl.num_programs(2) - 1)
+  def _():
+    o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "layout"))
+def matmul_pallas(x_MxK: jax.Array, w_KxN: jax.Array, *, interpret: bool | None = None,
+                  layout: str | None = None) -> jax.Array:
+  """[M, K] @ [K, N] with the fixed tile of `PALLAS_BLOCKS` for the layout and input dtype."""
   if interpret is None:
     interpret = default_interpret()
+  layout = kernel_layout(layout, interpret)
   M, K = x_MxK.shape
   K2, N = w_KxN.shape
   if K != K2:
     raise ValueError(f"matmul: x is [{M}, {K}] but w is [{K2}, {N}]")
   out_dtype = jnp.result_type(x_MxK, w_KxN)
-  bm, bn, bk = PALLAS_BLOCKS[jnp.dtype(out_dtype)]
+  bm, bn, bk = PALLAS_BLOCKS[layout][jnp.dtype(out_dtype)]
   x = pad_axis(pad_axis(x_MxK.astype(out_dtype), 0, bm), 1, bk)
   w = pad_axis(pad_axis(w_KxN.astype(out_dtype), 0, bk), 1, bn)
   Mp, Kp = x.shape
   Np = w.shape[1]
+  if layout == "tpu":
+    out = pl.pallas_call(
+        _matmul_kernel_tpu,
+        grid=(Mp // bm, Np // bn, Kp // bk),
+        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
+                  pl.BlockSpec((bk, bn), lambda i, j, k: (k, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)),
+        out_shape=out_struct((Mp, Np), out_dtype, x, w),
+        scratch_shapes=[vmem((bm, bn), jnp.float32)],
+        compiler_params=tpu_params("parallel", "parallel", "arbitrary"),
+        interpret=interpret,
+    )(x, w)
+    return out[:M, :N]
   out = pl.pallas_call(
       functools.partial(_matmul_kernel, bk=bk, num_k_blocks=Kp // bk),
       grid=(Mp // bm, Np // bn),

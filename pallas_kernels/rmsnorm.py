@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, out_struct, pad_axis, tree_sum
+from pallas_kernels.common import (default_interpret, kernel_layout, next_pow2, out_struct, pad_axis,
+                                   tree_sum)
 
 BLOCK_ROWS = 8
 CHUNK = 256  # columns per step of the in-order sum of squares
@@ -30,28 +31,38 @@ def rms_norm_reference(x: jax.Array, weight_D: jax.Array, eps: float) -> jax.Arr
 
 def _rms_norm_kernel(x_ref, w_ref, o_ref, *, dim: int, chunk: int, eps: float):
   rows, padded_dim = x_ref.shape
+  num_chunks = padded_dim // chunk
 
   def chunk_step(c, sum_sq_R):
-    x_chunk = x_ref[:, pl.ds(c * chunk, chunk)].astype(jnp.float32)
+    x_chunk = x_ref[:, pl.ds(pl.multiple_of(c * chunk, chunk), chunk)].astype(jnp.float32)
     return sum_sq_R + jnp.sum(x_chunk * x_chunk, axis=1)
 
-  sum_sq = jax.lax.fori_loop(0, padded_dim // chunk, chunk_step, jnp.zeros((rows,), jnp.float32))
+  sum_sq = jax.lax.fori_loop(0, num_chunks, chunk_step, jnp.zeros((rows,), jnp.float32))
   inv_rms = jax.lax.rsqrt(sum_sq / dim + eps)
-  x32 = x_ref[...].astype(jnp.float32)
-  normed = (x32 * inv_rms[:, None]).astype(o_ref.dtype)
-  o_ref[...] = w_ref[...].astype(o_ref.dtype) * normed
+
+  # The scaling goes chunk by chunk too: Triton loads only power-of-2 arrays, and a whole row
+  # of 3584 or 5120 is not one. Each element is computed as it would be from the whole row.
+  def scale_step(c, carry):
+    cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    normed = (x_ref[:, cols].astype(jnp.float32) * inv_rms[:, None]).astype(o_ref.dtype)
+    o_ref[:, cols] = w_ref[:, cols].astype(o_ref.dtype) * normed
+    return carry
+
+  jax.lax.fori_loop(0, num_chunks, scale_step, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "layout"))
 def rms_norm_pallas(x: jax.Array, weight_D: jax.Array, eps: float, *,
-                    interpret: bool | None = None) -> jax.Array:
+                    interpret: bool | None = None, layout: str | None = None) -> jax.Array:
   """RMSNorm over the last axis; leading axes are flattened into rows."""
   if interpret is None:
     interpret = default_interpret()
+  layout = kernel_layout(layout, interpret)
   *lead, D = x.shape
   if weight_D.shape != (D,):
     raise ValueError(f"rms_norm: weight shape {weight_D.shape} != ({D},)")
-  chunk = min(CHUNK, D)
+  # Triton: the chunk must be a power of 2 (a head_dim-24 q/k norm gets a 32 chunk, zero pad).
+  chunk = min(CHUNK, next_pow2(D) if layout == "gpu" else D)
   rows = x.reshape(-1, D)
   R = rows.shape[0]
   xp = pad_axis(pad_axis(rows, 0, BLOCK_ROWS), 1, chunk)  # zero columns add 0 to the sum

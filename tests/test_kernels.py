@@ -1,6 +1,8 @@
 """Each batch-invariant kernel (Pallas in interpret mode, and the pure-JAX blocked path) against
 its independent reference, on ragged shapes, plus row-slicing invariance at the kernel level."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,16 @@ from pallas_kernels.common import tree_sum
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 DTYPES = [jnp.float32, jnp.bfloat16]
+# "pallas": the kernel as this machine runs it (compiled on GPU/TPU, interpreted on CPU);
+# "pallas_gpu" / "pallas_tpu": the GPU's and the TPU's block layouts, interpreted, so their
+# values and batch invariance are checked on any machine (compiling them: test_accelerator_compile).
+PALLAS_IMPLS = ["pallas", "pallas_gpu", "pallas_tpu"]
+
+
+def _pallas(kernel, impl, **static):
+  if impl == "pallas":
+    return functools.partial(kernel, **static)
+  return functools.partial(kernel, interpret=True, layout=impl.removeprefix("pallas_"), **static)
 
 
 def _rel_err(out, ref):
@@ -26,11 +38,11 @@ def _normal(seed, shape, dtype, scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("impl", ["pallas", "blocked_jax"])
+@pytest.mark.parametrize("impl", [*PALLAS_IMPLS, "blocked_jax"])
 def test_matmul_ragged(dtype, impl):
   # M, K, N not multiples of any block (32/16 rows, 128/256 K, 128 N).
   x, w = _normal(0, (37, 300), dtype), _normal(1, (300, 200), dtype)
-  fn = mm.matmul_pallas if impl == "pallas" else jax.jit(mm.matmul_blocked_jax)
+  fn = jax.jit(mm.matmul_blocked_jax) if impl == "blocked_jax" else _pallas(mm.matmul_pallas, impl)
   out = fn(x, w)
   assert out.shape == (37, 200) and out.dtype == dtype
   assert _rel_err(out, mm.matmul_reference(x, w)) < TOL[dtype]
@@ -56,12 +68,12 @@ def test_lora_matmul_one_loop_is_row_invariant(dtype):
     np.testing.assert_array_equal(np.asarray(part[1]), np.asarray(delta)[lo:hi])
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("impl", ["pallas", "blocked_jax"])
+@pytest.mark.parametrize("impl", [*PALLAS_IMPLS, "blocked_jax"])
 def test_rms_norm_ragged(dtype, impl):
   x = _normal(2, (3, 7, 300), dtype, 2.0)
   w = (1 + 0.1 * jax.random.normal(jax.random.key(3), (300,))).astype(dtype)
-  fn = rms.rms_norm_pallas if impl == "pallas" else jax.jit(rms.rms_norm_blocked_jax,
-                                                            static_argnums=2)
+  fn = (jax.jit(rms.rms_norm_blocked_jax, static_argnums=2) if impl == "blocked_jax"
+        else _pallas(rms.rms_norm_pallas, impl))
   out = fn(x, w, 1e-6)
   assert out.shape == x.shape and out.dtype == dtype
   assert _rel_err(out, rms.rms_norm_reference(x, w, 1e-6)) < TOL[dtype]
@@ -96,11 +108,12 @@ def _attention_inputs(dtype, B=3, T=11, H=4, K=2, D=24, S=45):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("impl", ["pallas", "blocked_jax"])
+@pytest.mark.parametrize("impl", [*PALLAS_IMPLS, "blocked_jax"])
 def test_attention_ragged_and_masks(dtype, impl):
-  q, k, v, mask = _attention_inputs(dtype)  # T, S, D ragged w.r.t. BLOCK_Q / KV_SPLIT
-  fn = att.attention_pallas if impl == "pallas" else jax.jit(att.attention_blocked_jax,
-                                                             static_argnames="scale")
+  # T, S, D ragged w.r.t. BLOCK_Q / KV_SPLIT / TPU_KV_BLOCK, and D=24 not a power of 2.
+  q, k, v, mask = _attention_inputs(dtype)
+  fn = (jax.jit(att.attention_blocked_jax, static_argnames="scale") if impl == "blocked_jax"
+        else _pallas(att.attention_pallas, impl))
   out = fn(q, k, v, mask, scale=0.2)
   assert out.shape == q.shape and out.dtype == dtype
   assert _rel_err(out, att.attention_reference(q, k, v, mask, 0.2)) < TOL[dtype]
@@ -109,25 +122,28 @@ def test_attention_ragged_and_masks(dtype, impl):
   # One query of one row, alone: bitwise the same.
   one = fn(q[1:2, 3:4], k[1:2], v[1:2], mask[1:2, 3:4], scale=0.2)
   np.testing.assert_array_equal(np.asarray(one), full[1:2, 3:4])
-  # A longer cache whose extra slots hold garbage but are masked: more splits, same bits.
-  pad = ((0, 0), (0, 40), (0, 0), (0, 0))
+  # A longer cache whose extra slots hold garbage but are masked: more splits (and, for the
+  # TPU layout, another KV block), same bits.
+  extra = 40 if impl != "pallas_tpu" else att.TPU_KV_BLOCK + 40
+  pad = ((0, 0), (0, extra), (0, 0), (0, 0))
   k_long, v_long = jnp.pad(k, pad, constant_values=3.0), jnp.pad(v, pad, constant_values=-7.0)
-  mask_long = jnp.pad(mask, ((0, 0), (0, 0), (0, 40)))
+  mask_long = jnp.pad(mask, ((0, 0), (0, 0), (0, extra)))
   longer = fn(q[1:2, 3:7], k_long[1:2], v_long[1:2], mask_long[1:2, 3:7], scale=0.2)
   np.testing.assert_array_equal(np.asarray(longer), full[1:2, 3:7])
 
 
 
-@pytest.mark.parametrize("impl", ["pallas", "blocked_jax"])
+@pytest.mark.parametrize("impl", [*PALLAS_IMPLS, "blocked_jax"])
 def test_causal_hint_skips_splits_with_the_same_bits(impl):
   """`causal=True` skips the key splits past each query block; the result must be the full
   loop's, bit for bit (T spans three KV splits, and one row sees no key at all)."""
-  q, k, v, _ = _attention_inputs(jnp.float32, B=2, T=70, S=70)
-  mask = jnp.tril(jnp.ones((70, 70), bool))[None] & jax.random.bernoulli(
-      jax.random.key(11), 0.8, (2, 70, 70))
-  mask = mask.at[1, 40].set(False)
-  fn = att.attention_pallas if impl == "pallas" else jax.jit(att.attention_blocked_jax,
-                                                             static_argnames=("scale", "causal"))
+  B, T = (1, att.TPU_KV_BLOCK + 18) if impl == "pallas_tpu" else (2, 70)  # >1 KV block
+  q, k, v, _ = _attention_inputs(jnp.float32, B=B, T=T, S=T)
+  mask = jnp.tril(jnp.ones((T, T), bool))[None] & jax.random.bernoulli(
+      jax.random.key(11), 0.8, (B, T, T))
+  mask = mask.at[B - 1, 40].set(False)
+  fn = (jax.jit(att.attention_blocked_jax, static_argnames=("scale", "causal"))
+        if impl == "blocked_jax" else _pallas(att.attention_pallas, impl))
   full = np.asarray(fn(q, k, v, mask, scale=0.2))
   np.testing.assert_array_equal(np.asarray(fn(q, k, v, mask, scale=0.2, causal=True)), full)
   assert _rel_err(full, att.attention_reference(q, k, v, mask, 0.2)) < TOL[jnp.float32]

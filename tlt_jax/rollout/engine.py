@@ -94,7 +94,8 @@ class EngineConfig:
     window = max(a.draft_slots for a in self.arms)
     if self.max_depth:
       window = max(window, self.chunk_steps)
-    return round_up(self.max_prompt_len + self.max_new_tokens + window, ops.KV_SPLIT)
+    return round_up(self.max_prompt_len + self.max_new_tokens + window,
+                    ops.kv_cache_multiple())
 
 
 class Slots(NamedTuple):
