@@ -72,7 +72,7 @@ def main() -> None:
   unrolls = [int(k) for k in args.unrolls.split(",")]
 
   c = config_lib.load_config_file(CONFIG)
-  determinism.configure(c.numerics, c.xla_determinism)
+  determinism.configure(c.numerics, c.xla_determinism, c.numerics_f32_matmul)
   from tlt_jax import ops  # noqa: PLC0415
   from tlt_jax.tlt.warmup import warmup  # noqa: PLC0415
 

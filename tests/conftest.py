@@ -1,9 +1,12 @@
+import contextlib
 import os
 
-# 8 CPU devices for mesh tests; must be set before JAX is imported anywhere.
+# 8 CPU devices for mesh tests; must be set before JAX is imported anywhere. On a machine with
+# an accelerator they are its host devices, beside the default backend's (see `on_devices`).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
-# The whole suite runs with the flags batch-invariant numerics need (no FMA contraction on CPU).
+# The whole suite runs with the flags batch-invariant numerics need (no FMA contraction on CPU),
+# and with XLA's f32 matmuls in full f32 (the default of config.numerics_f32_matmul).
 from tlt_jax import determinism  # noqa: E402
 
 determinism.configure("batch_invariant")
@@ -13,6 +16,59 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# TLT_TEST_ONE_DEFAULT_DEVICE=1 simulates a single-accelerator machine on a CPU one: the default
+# backend shows one device (`jax.devices()`, `jax.local_devices()`, `jax.device_count()`), while
+# `jax.devices("cpu")` still has all 8 host devices, as on one GPU with the flag above. A test or
+# library path that takes "all devices" without going through `on_devices` /
+# `tlt_jax.mesh.run_devices` then sees one device, as it would on that GPU machine.
+ONE_DEFAULT_DEVICE = os.environ.get("TLT_TEST_ONE_DEFAULT_DEVICE", "") not in ("", "0")
+
+
+def _simulate_one_default_device() -> None:
+  import jax  # noqa: PLC0415
+
+  all_devices, all_local_devices = jax.devices, jax.local_devices
+
+  def devices(backend=None):
+    return all_devices(backend) if backend is not None else all_devices()[:1]
+
+  def local_devices(process_index=None, backend=None, host_id=None):
+    found = all_local_devices(process_index, backend, host_id)
+    return found if backend is not None else found[:1]
+
+  jax.devices, jax.local_devices = devices, local_devices
+  jax.device_count = lambda backend=None: len(devices(backend))
+  jax.local_device_count = lambda backend=None: len(local_devices(backend=backend))
+
+
+if ONE_DEFAULT_DEVICE:
+  _simulate_one_default_device()
+
+
+@contextlib.contextmanager
+def on_devices(n: int):
+  """`with on_devices(n) as devices:` n devices for a test that needs several, and the block
+  runs on their platform: the default backend's devices when it has n (a CPU machine: the host
+  devices asked for above), else the host devices (e.g. one GPU), made the default device for
+  the block, so that the library (`tlt_jax.mesh.run_devices`: meshes, rollout groups,
+  checkpoints) and the kernels (`pallas_kernels.common.target_platform`: CPU kernels, Pallas in
+  interpret mode) use them too, and arrays the block creates live there. Every computation a
+  test compares must run inside the block (one platform). Fewer than n host devices fails the
+  test: never a silent skip."""
+  import jax  # noqa: PLC0415
+
+  default = jax.devices()
+  if len(default) >= n:
+    yield default[:n]
+    return
+  host = jax.devices("cpu")
+  if len(host) < n:
+    pytest.fail(f"this test needs {n} devices: the default backend ({jax.default_backend()}) "
+                f"has {len(default)}, the host {len(host)} (XLA_FLAGS "
+                "--xla_force_host_platform_device_count)")
+  with jax.default_device(host[0]):
+    yield host[:n]
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
 

@@ -11,6 +11,9 @@ import os
 import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+# The path under test is CPU processes with gloo collectives: on a machine with an accelerator
+# too (both processes would share it), the host devices are what each process uses.
+os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["TLT_NO_PROGRESS"] = "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

@@ -20,6 +20,7 @@ import torch
 import transformers
 from flax import nnx
 
+from tests.conftest import on_devices
 from tlt_jax import ops
 from tlt_jax.checkpoint import CheckpointError, Checkpointer, export_adapter, export_merged_hf
 from tlt_jax.model import hf, lora
@@ -116,9 +117,9 @@ def test_keeps_newest_n(tmp_path):
 
 
 def test_restores_into_the_given_sharding(tmp_path):
-  mesh = jax.make_mesh((8,), ("x",))
-  value = jnp.arange(64, dtype=jnp.float32).reshape(16, 4)
-  with Checkpointer(str(tmp_path / "ckpt")) as ck:
+  with on_devices(8) as devices, Checkpointer(str(tmp_path / "ckpt")) as ck:
+    mesh = jax.make_mesh((8,), ("x",), devices=devices)
+    value = jnp.arange(64, dtype=jnp.float32).reshape(16, 4)
     ck.save(1, {"w": {"x": value}}, {})
     sharding = jax.NamedSharding(mesh, jax.P("x", None))
     abstract = jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=sharding)

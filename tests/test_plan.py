@@ -11,6 +11,7 @@ import jax
 import pytest
 from flax import nnx
 
+from tests.conftest import on_devices
 from tlt_jax import config as config_lib
 from tlt_jax import distributed
 from tlt_jax import plan as plan_lib
@@ -69,7 +70,8 @@ def test_every_config_plans_with_all_components(spec):
 
 def test_tiny_params_match_the_loaded_checkpoint():
   c = _config("tiny_arith.py")
-  result = _plan("tiny_arith.py")
+  with on_devices(8):  # plan.device_count=0: the run's devices, 8 of them here
+    result = _plan("tiny_arith.py")
   model = lora.apply_lora(hf.load_model(c.model.hf_dir, dtype=c.model.dtype), rank=c.lora.rank,
                           alpha=c.lora.alpha, targets=tuple(c.lora.targets), seed=c.seed)
   _, adapters, base = nnx.split(model, nnx.LoRAParam, ...)
@@ -169,7 +171,8 @@ def test_mesh_that_does_not_match_the_device_count():
 def cli(tmp_path_factory):
   """Both CLI runs start with the module and run beside the in-process tests (2 cores here)."""
   out = tmp_path_factory.mktemp("plan") / "plan.json"
-  env = dict(os.environ, PYTHONPATH=REPO)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p))
   start = lambda *args: subprocess.Popen(  # noqa: E731
       [sys.executable, "-m", "tlt_jax.plan", *args], cwd=REPO, env=env, text=True,
       stdout=subprocess.PIPE, stderr=subprocess.PIPE)

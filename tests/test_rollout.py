@@ -14,6 +14,7 @@ import scipy.stats
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from tests.conftest import on_devices
 from tlt_jax import ops
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import ModelConfig, Transformer
@@ -175,10 +176,12 @@ def test_tensor_parallel_groups_are_bitwise_the_unsplit_engine():
   from tlt_jax.tlt.scheduler import GroupedRollout, group_sharding  # noqa: PLC0415
 
   target, draft = _models()
-  devices = jax.devices()
   cfg = dataclasses.replace(CFG, buckets=(2, 4))  # few programs: Pallas interprets on CPU
-  with ops.numerics_mode("batch_invariant", "pallas"):
-    reference = RolloutEngine(target, cfg, draft).generate(PROMPTS, group_size=2, arm=OFF)
+  # The reference on the groups' platform too (placed on one of their devices): the host's on a
+  # single-accelerator machine, where a reference on the accelerator would be another backend.
+  with on_devices(4) as devices, ops.numerics_mode("batch_invariant", "pallas"):
+    reference = RolloutEngine(target, cfg, draft, placement=group_sharding(devices[:1])).generate(
+        PROMPTS, group_size=2, arm=OFF)
     grouped = GroupedRollout(target, cfg, [devices[:2], devices[2:4]], draft,
                              tensor_parallel=True)
     samples = grouped.generate(PROMPTS, group_size=2, arm="tree3_2_5")

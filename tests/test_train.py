@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from tests.conftest import on_devices
 from tlt_jax import config as config_lib
 from tlt_jax import metrics, train
 
@@ -82,8 +83,16 @@ def _short_config(workdir, steps: int, tlt: bool = False):
   return c
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _on_two_devices():
+  """The TLT run has two rollout groups, a device each; every run it is compared with runs on
+  the same platform (the host's devices on a single-accelerator machine: `on_devices`)."""
+  with on_devices(2) as devices:
+    yield devices
+
+
 @pytest.fixture(scope="module")
-def plain_run(tmp_path_factory):
+def plain_run(tmp_path_factory, _on_two_devices):
   """Two steps straight, SD off: the reference of the TLT and the resume tests."""
   workdir = tmp_path_factory.mktemp("plain")
   return workdir, train.run(_short_config(workdir, 2))
@@ -104,7 +113,7 @@ def test_tlt_changes_nothing_but_time(plain_run, tmp_path):
   _assert_same_adapter(_adapter(off_dir), _adapter(tmp_path / "on"))
 
 
-def test_resume_is_bitwise(plain_run, tmp_path):
+def test_resume_is_bitwise(plain_run, tmp_path, _on_two_devices):
   """2 steps straight == 1 step, stop, resume, 1 step: the same data order, rewards, losses,
   statistics, adapter, and final checkpoint leaf by leaf."""
   straight_dir, _ = plain_run
@@ -119,8 +128,17 @@ def test_resume_is_bitwise(plain_run, tmp_path):
   _assert_same_adapter(_adapter(straight_dir), _adapter(tmp_path / "resumed"))
   import orbax.checkpoint as ocp
 
+  def restore(path):
+    """Onto one of the run's devices: without a target Orbax looks for the devices it was saved
+    from among the default backend's (one GPU, on a single-GPU machine)."""
+    ck = ocp.StandardCheckpointer()
+    one = jax.sharding.SingleDeviceSharding(_on_two_devices[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
+                          ck.metadata(path).item_metadata)
+    return ck.restore(path, target)
+
   for item in ("params", "opt_state"):  # the final checkpoints, leaf by leaf
-    a, b = (ocp.StandardCheckpointer().restore(str(workdir / "checkpoints" / "2" / item))
+    a, b = (restore(str(workdir / "checkpoints" / "2" / item))
             for workdir in (straight_dir, tmp_path / "resumed"))
     assert len(jax.tree.leaves(a)) == len(jax.tree.leaves(b)) > 0
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from tests.conftest import on_devices
 from tlt_jax import ops
 from tlt_jax.model import lora
 from tlt_jax.model.transformer import ModelConfig, Transformer
@@ -41,7 +42,9 @@ def _batch(model, n=8):
   responses = [rng.integers(0, 32, int(k)) for k in rng.integers(1, 13, n)]
   full = make_batch(prompts, responses, [np.zeros(len(r), np.float32) for r in responses],
                     np.zeros(n, np.float32), L)
-  logp, _ = policy_logprobs(model, jnp.asarray(full.tokens_NxL), SAMPLING)
+  # Jitted, as the sampler's programs are: JAX 0.11's XLA:CPU rounds some elementwise logs of
+  # an op-by-op (eager) call differently from the same log fused into a program.
+  logp, _ = jax.jit(lambda t: policy_logprobs(model, t, SAMPLING))(jnp.asarray(full.tokens_NxL))
   logp = np.asarray(logp)
   sampler = [logp[i, 2:2 + len(r)] for i, r in enumerate(responses)]
   adv = rng.standard_normal(n).astype(np.float32)
@@ -147,15 +150,16 @@ def test_bad_config_is_named():
 def test_sharded_step_matches_the_single_device_step():
   from tlt_jax import mesh as mesh_lib
 
-  batch, *_ = _batch(_model())
-  single = Trainer(_model(), TrainConfig(chunk_rows=8, sampling=SAMPLING))
-  sharded = Trainer(_model(), TrainConfig(chunk_rows=8, sampling=SAMPLING),
-                    mesh=mesh_lib.make_mesh(data=8))
-  plan = sharded.plan(batch)
-  tokens = plan[0][0][0][0]
-  assert len(tokens.sharding.device_set) == 8  # rows split over the data axis
-  expected, _ = single.gradients(single.plan(batch)[0])
-  grads, _ = sharded.gradients(plan[0])
+  with on_devices(8) as devices:
+    batch, *_ = _batch(_model())
+    single = Trainer(_model(), TrainConfig(chunk_rows=8, sampling=SAMPLING))
+    sharded = Trainer(_model(), TrainConfig(chunk_rows=8, sampling=SAMPLING),
+                      mesh=mesh_lib.make_mesh(data=8, devices=devices))
+    plan = sharded.plan(batch)
+    tokens = plan[0][0][0][0]
+    assert len(tokens.sharding.device_set) == 8  # rows split over the data axis
+    expected, _ = single.gradients(single.plan(batch)[0])
+    grads, _ = sharded.gradients(plan[0])
   for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=2e-5, atol=1e-7)
 
@@ -168,10 +172,10 @@ def test_batch_invariant_sharded_trainer_keeps_per_row_logprobs_bitwise(backend)
   Pallas (interpreted here) is what runs on GPU/TPU."""
   from tlt_jax import mesh as mesh_lib
 
-  with ops.numerics_mode("batch_invariant", backend):
+  with on_devices(8) as devices, ops.numerics_mode("batch_invariant", backend):
     batch, *_ = _batch(_model())
     single = Trainer(_model(), TrainConfig(chunk_rows=8, sampling=SAMPLING))
-    mesh = mesh_lib.make_mesh(data=4, fsdp=2, model=1)
+    mesh = mesh_lib.make_mesh(data=4, fsdp=2, model=1, devices=devices)
     sharded = Trainer(_model(), TrainConfig(chunk_rows=8, sampling=SAMPLING), mesh=mesh)
     plan = sharded.plan(batch)
     assert plan[0][0][0][0].sharding.spec[0] == mesh_lib.BATCH_AXES  # rows over data x fsdp
@@ -196,8 +200,8 @@ def test_tensor_parallel_trainer_keeps_per_row_logprobs_bitwise():
   from tlt_jax import mesh as mesh_lib
 
   cfg = dataclasses.replace(CFG, num_heads=4, num_kv_heads=2)  # whole heads on 2 devices
-  mesh = mesh_lib.make_mesh(data=2, fsdp=2, model=2)
-  with ops.numerics_mode("batch_invariant", "pallas"):
+  with on_devices(8) as devices, ops.numerics_mode("batch_invariant", "pallas"):
+    mesh = mesh_lib.make_mesh(data=2, fsdp=2, model=2, devices=devices)
     batch, *_ = _batch(_model(cfg=cfg))  # sampler log-probs from the unsplit forward
     single = Trainer(_model(cfg=cfg), TrainConfig(chunk_rows=8, sampling=SAMPLING))
     # head_chunk_tokens=4: the vocabulary head in chunks of 4 tokens (the last one padded)
@@ -229,9 +233,9 @@ def test_tensor_parallel_backward_gathers_again_instead_of_keeping_whole_inputs(
 
   cfg = dataclasses.replace(CFG, num_layers=4, num_heads=16, num_kv_heads=2, head_dim=128,
                             intermediate_size=8192)  # big o_proj / down_proj inputs
-  mesh = mesh_lib.make_mesh(data=4, fsdp=1, model=2)
   grads, temp = {}, {}
-  with ops.numerics_mode("batch_invariant", "blocked_jax"):
+  with on_devices(8) as devices, ops.numerics_mode("batch_invariant", "blocked_jax"):
+    mesh = mesh_lib.make_mesh(data=4, fsdp=1, model=2, devices=devices)
     batch, *_ = _batch(_model(cfg=cfg))
     for regather in (False, True):
       trainer = Trainer(_model(cfg=cfg), TrainConfig(chunk_rows=8, sampling=SAMPLING,

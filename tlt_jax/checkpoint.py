@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
+from tlt_jax import mesh as mesh_lib
 from tlt_jax.model import hf, lora
 from tlt_jax.model.transformer import Transformer
 
@@ -71,7 +72,9 @@ def _restore_target(leaf):
 
 
 def _replicated_everywhere() -> jax.sharding.NamedSharding:
-  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+  # The run's devices (the default device's platform when one is set: a run on a GPU machine's
+  # host devices saves its per-process state from and to those, not the GPU).
+  mesh = jax.sharding.Mesh(np.array(mesh_lib.run_devices()), ("all",))
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 

@@ -13,6 +13,12 @@ What each flag buys, and what it does not:
   That is what the batch-invariant kernels are for.
 None of this changes TPU behaviour; TPU programs are run-to-run deterministic already, and batch
 invariance comes from the kernels.
+
+Not a flag but set here too: the precision of XLA's f32 matmuls (`config.numerics_f32_matmul`).
+XLA runs an f32 dot as TF32 on NVIDIA GPUs (and as one bf16 pass on TPU) unless asked otherwise;
+that broke HF logits parity (1e-4) and PEFT export/import parity on an H200. So f32 means f32
+by default ("highest"); "tf32" is the named opt-in to the faster mode.
+(The Pallas kernels ask for their own precision explicitly; this is for XLA's dots.)
 """
 
 from __future__ import annotations
@@ -41,12 +47,28 @@ def missing_flags(flags: list[str]) -> list[str]:
   return [f for f in flags if f not in present]
 
 
-def configure(numerics: str, xla_determinism: bool = True) -> list[str]:
-  """Adds the flags `numerics` needs to XLA_FLAGS; returns the flags in force.
+# config.numerics_f32_matmul -> jax_default_matmul_precision
+F32_MATMUL = {"highest": "highest", "tf32": "tensorfloat32"}
+
+
+def set_f32_matmul(f32_matmul: str = "highest") -> None:
+  """XLA's precision for f32 matmuls, process-wide (`jax_default_matmul_precision`)."""
+  import jax  # noqa: PLC0415 (setting a config option creates no backend)
+
+  if f32_matmul not in F32_MATMUL:
+    raise ValueError(f"numerics_f32_matmul={f32_matmul!r} must be one of {sorted(F32_MATMUL)}")
+  jax.config.update("jax_default_matmul_precision", F32_MATMUL[f32_matmul])
+
+
+def configure(numerics: str, xla_determinism: bool = True,
+              f32_matmul: str = "highest") -> list[str]:
+  """Adds the flags `numerics` needs to XLA_FLAGS and sets the f32 matmul precision (full f32
+  unless `f32_matmul="tf32"`); returns the flags in force.
 
   Must run before the first JAX computation (XLA reads XLA_FLAGS when it creates a backend).
   Raises if a backend already exists without them: the run would silently break the contracts.
   """
+  set_f32_matmul(f32_matmul)
   flags = required_flags(numerics, xla_determinism)
   missing = missing_flags(flags)
   if missing and xla_bridge.backends_are_initialized():
@@ -63,8 +85,11 @@ def check_cpu_flags() -> None:
   """Batch-invariant numerics on x86 CPU are only exact without FMA contraction: say so early."""
   import jax  # noqa: PLC0415 (creating the backend here is fine: it is being used anyway)
 
+  from tlt_jax import mesh  # noqa: PLC0415
+
   missing = missing_flags(required_flags("batch_invariant", xla_determinism=False))
-  if missing and jax.default_backend() == "cpu":
+  # The default device's platform when one is set: host devices on a GPU machine need it too.
+  if missing and (mesh.default_platform() or jax.default_backend()) == "cpu":
     raise RuntimeError(
         f"numerics='batch_invariant' on CPU needs XLA_FLAGS {' '.join(missing)} (no FMA "
         "contraction) set before JAX starts: call tlt_jax.determinism.configure('batch_invariant') "

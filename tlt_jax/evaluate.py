@@ -160,7 +160,8 @@ def run_eval(c, *, checkpoint: str = "", step: int | None = None, samples: int |
   from tlt_jax import determinism, ops, train  # noqa: PLC0415
 
   config_lib.validate(c)
-  determinism.configure(c.numerics, c.xla_determinism)  # before JAX creates its backends
+  # before JAX creates its backends
+  determinism.configure(c.numerics, c.xla_determinism, c.numerics_f32_matmul)
   samples = samples or c.eval.samples
   with ops.numerics_mode(c.numerics, c.numerics_backend):
     t0 = time.perf_counter()

@@ -15,9 +15,38 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "model")
+
+
+def auto_axes(names: Sequence[str]) -> tuple[AxisType, ...]:
+  """Axis types for a mesh over `names`: every mesh of the library has Auto axes (shardings are
+  annotations the compiler propagates), said explicitly rather than left to JAX's default, which
+  is Explicit (sharding in types) for an AbstractMesh from JAX 0.11 on; under Explicit axes an
+  embedding gather has no unambiguous output sharding and tracing fails."""
+  return (AxisType.Auto,) * len(names)
+
+
+def default_platform() -> str | None:
+  """The platform of the default device when one is set (`jax.default_device(...)`), else None
+  (the default backend's)."""
+  device = jax.config.jax_default_device
+  if device is None:
+    return None
+  return device if isinstance(device, str) else device.platform
+
+
+def run_devices(local: bool = False) -> list[jax.Device]:
+  """The devices a run spans (all processes', or this process's with `local`): the default
+  backend's, or those of the default device's platform when one is set. So a multi-device run
+  can be put on a GPU machine's host devices deliberately (`--xla_force_host_platform_device_
+  count=N` in XLA_FLAGS, then `with jax.default_device(jax.devices("cpu")[0]):`), and its
+  kernels see the platform they run on (`pallas_kernels.common.target_platform` reads the
+  same default device). `JAX_PLATFORMS=cpu` does the same for a whole process."""
+  platform = default_platform()
+  return list(jax.local_devices(backend=platform) if local else jax.devices(platform))
+
 
 # (regex on the '/'-joined NNX path, logical axes of the array). First match wins.
 PARAM_LOGICAL_AXES: tuple[tuple[str, tuple], ...] = (
@@ -50,8 +79,9 @@ LOGICAL_TO_MESH: dict[str | None, str | tuple[str, ...] | None] = {
 
 def make_mesh(data: int = -1, fsdp: int = 1, model: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A (data, fsdp, model) mesh; one size may be -1 (= the remaining devices)."""
-  devices = list(devices if devices is not None else jax.devices())
+  """A (data, fsdp, model) mesh; one size may be -1 (= the remaining devices). Devices: those
+  given, else all of the run's (`run_devices()`)."""
+  devices = list(devices if devices is not None else run_devices())
   sizes = [data, fsdp, model]
   if sizes.count(-1) > 1:
     raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} model={model}")
@@ -63,7 +93,7 @@ def make_mesh(data: int = -1, fsdp: int = 1, model: int = 1,
   if math.prod(sizes) != len(devices):
     raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x model={sizes[2]} needs "
                      f"{math.prod(sizes)} devices, {len(devices)} available")
-  return Mesh(np.array(devices).reshape(sizes), MESH_AXES)
+  return Mesh(np.array(devices).reshape(sizes), MESH_AXES, axis_types=auto_axes(MESH_AXES))
 
 
 def mesh_from_config(mesh_cfg, devices=None) -> Mesh:

@@ -238,7 +238,7 @@ def plan(c: ml_collections.ConfigDict, *, name: str = "config", lower: bool = Tr
   """Per-device memory of the job `c` describes, on its mesh; raises PlanDoesNotFit (the result
   attached) when it exceeds plan.device_memory_gib x plan.headroom."""
   config_lib.validate(c)
-  n = c.plan.device_count or len(jax.devices())
+  n = c.plan.device_count or len(mesh_lib.run_devices())
   sizes = mesh_sizes(c, n, "plan.device_count" if c.plan.device_count else "local devices")
   mesh, mesh_kind = _mesh(sizes)
   data, fsdp, model_ax = sizes
@@ -314,7 +314,7 @@ def plan(c: ml_collections.ConfigDict, *, name: str = "config", lower: bool = Tr
   if lower:
     if compile and mesh_kind != "devices":
       raise ValueError(f"--compile needs the mesh's {n} devices, this process has "
-                       f"{len(jax.devices())} (the CLI asks XLA for them)")
+                       f"{len(mesh_lib.run_devices())} (the CLI asks XLA for them)")
     result["lowered_layers"] = min(L, c.plan.lower_layers or L)
     result["lowered"] = _lower_programs(c, mcfg, mesh, shards, result["lowered_layers"], compile)
   if result["fits"] is False:
@@ -441,7 +441,7 @@ def _start() -> None:
       n = requested_devices(c)
       if n:
         determinism.force_host_devices(n)  # read when JAX creates its CPU backend
-    determinism.configure(c.numerics, c.xla_determinism)
+    determinism.configure(c.numerics, c.xla_determinism, c.numerics_f32_matmul)
     main(argv)
   app.run(run)
 

@@ -55,10 +55,11 @@ def mesh_sizes(c: ml_collections.ConfigDict, n: int, source: str) -> tuple[int, 
 
 def _mesh(sizes: tuple[int, int, int]):
   """The real devices when there are exactly that many, else an AbstractMesh (same shardings)."""
-  devices = jax.devices()
+  devices = mesh_lib.run_devices()
   if len(devices) == math.prod(sizes):
     return mesh_lib.make_mesh(*sizes, devices=devices), "devices"
-  return AbstractMesh(sizes, mesh_lib.MESH_AXES), "abstract"
+  return AbstractMesh(sizes, mesh_lib.MESH_AXES,
+                      axis_types=mesh_lib.auto_axes(mesh_lib.MESH_AXES)), "abstract"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,7 +338,7 @@ def _lower_programs(c, mcfg, mesh, shards: _Shards, layers: int, compile_: bool)
   # shard_map). The batch-invariant trainer runs its forward in shard_map over data x fsdp
   # (parameters gathered over fsdp); `plan` notes that gather.
   fns = StepFunctions(_train_config(c), graphdef)
-  backend = jax.default_backend()
+  backend = mesh_lib.default_platform() or jax.default_backend()
   platform = None if isinstance(mesh, jax.sharding.Mesh) else {"gpu": "cuda"}.get(backend, backend)
   drafter = nnx.eval_shape(lambda: Drafter(mcfg, nnx.Rngs(c.seed + 1))) if c.tlt.enabled else None
   ecfg = _engine_config(c, drafter is not None)

@@ -150,25 +150,29 @@ def train_mesh(c):
 
   from tlt_jax import mesh as mesh_lib  # noqa: PLC0415
 
+  devices = mesh_lib.run_devices()
   try:
-    return mesh_lib.mesh_from_config(c.mesh, jax.devices())
+    return mesh_lib.mesh_from_config(c.mesh, devices)
   except ValueError as e:
-    where = (f"{jax.device_count()} devices over {jax.process_count()} processes"
-             if jax.process_count() > 1 else f"{jax.device_count()} devices")
+    kind = devices[0].platform
+    where = (f"{len(devices)} {kind} devices over {jax.process_count()} processes"
+             if jax.process_count() > 1 else f"{len(devices)} {kind} devices")
     raise ValueError(f"config.mesh ({where}): {e}") from None
 
 
 def build_rollout(c, model, eos_ids, drafter=None):
   """The rollout engines of the config: `rollout.groups` data-parallel groups over the local
   devices, with the tuner's SD arms when TLT is on (plain decode otherwise)."""
-  import jax  # noqa: PLC0415
-
+  from tlt_jax import mesh as mesh_lib  # noqa: PLC0415
   from tlt_jax.rollout.tuner import OFF, Arm, parse_arms  # noqa: PLC0415
   from tlt_jax.tlt.scheduler import GroupedRollout  # noqa: PLC0415
 
-  devices = jax.local_devices()
+  devices = mesh_lib.run_devices(local=True)
   if not 1 <= c.rollout.groups <= len(devices):
-    raise ValueError(f"rollout.groups={c.rollout.groups} needs 1..{len(devices)} local devices")
+    raise ValueError(
+        f"rollout.groups={c.rollout.groups} must be 1..{len(devices)}: each group needs a "
+        f"device and this process has {len(devices)} {devices[0].platform} device(s) (host "
+        "devices instead: start with JAX_PLATFORMS=cpu; the CLI asks XLA for enough of them)")
   arms = parse_arms(c.tlt.arms) if drafter is not None else (Arm(OFF),)
   if drafter is not None and c.tlt.fixed_arm and c.tlt.fixed_arm not in {a.name for a in arms}:
     raise ValueError(f"tlt.fixed_arm={c.tlt.fixed_arm!r} is not one of tlt.arms={c.tlt.arms!r}")
@@ -182,7 +186,8 @@ def run(c, name: str = "run") -> dict:
   config_lib.validate(c)
   if c.data.source == "files" and not c.data.train_path:
     raise ValueError("data.source='files' needs data.train_path for the RL job")
-  determinism.configure(c.numerics, c.xla_determinism)  # before JAX creates its backends
+  # before JAX creates its backends
+  determinism.configure(c.numerics, c.xla_determinism, c.numerics_f32_matmul)
   from tlt_jax import distributed, ops  # noqa: PLC0415
 
   distributed.initialize_from_config(c)  # multi-host: before the first JAX computation
@@ -516,7 +521,9 @@ def main(argv) -> None:
   devices = c.rollout.groups * (c.mesh.model if c.rollout.tensor_parallel else 1)
   if devices > 1 and not determinism.host_devices_requested():
     # On a CPU-only machine JAX sees one device; give each rollout group one, or mesh.model
-    # when the groups split the model (before JAX starts).
+    # when the groups split the model (before JAX starts). On a machine with accelerators the
+    # run uses those (too few: build_rollout says so, naming rollout.groups); the host devices
+    # asked for here serve it only under JAX_PLATFORMS=cpu.
     determinism.force_host_devices(devices)
   summary = run(flags.FLAGS.config, name=f"{base}-{variant}" if variant else base)
   print(json.dumps({k: v for k, v in summary.items() if k not in ("eval_before", "eval_after")},

@@ -22,7 +22,7 @@ from tlt_jax import train as train_lib
 
 
 def warmup(c, *, rollouts: int, steps: int, out: str, buffer_dir: str = "") -> dict:
-  determinism.configure(c.numerics, c.xla_determinism)
+  determinism.configure(c.numerics, c.xla_determinism, c.numerics_f32_matmul)
   from tlt_jax import ops  # noqa: PLC0415
 
   with ops.numerics_mode(c.numerics, c.numerics_backend):
@@ -33,6 +33,7 @@ def _warmup(c, rollouts: int, steps: int, out: str, buffer_dir: str) -> dict:
   import jax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
+  from tlt_jax import mesh as mesh_lib  # noqa: PLC0415
   from tlt_jax import metrics  # noqa: PLC0415
   from tlt_jax.data.pipeline import prompt_dataset  # noqa: PLC0415
   from tlt_jax.model.drafter import Drafter  # noqa: PLC0415
@@ -43,7 +44,7 @@ def _warmup(c, rollouts: int, steps: int, out: str, buffer_dir: str) -> dict:
 
   start = time.perf_counter()
   model, _, formatter, eos_ids = train_lib.load_policy(c)
-  device = jax.local_devices()[:1]
+  device = mesh_lib.run_devices(local=True)[:1]
   if buffer_dir:
     buffer = DrafterBuffer.load(buffer_dir)
   else:
