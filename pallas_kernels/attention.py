@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (default_interpret, dot_f32, kernel_layout, next_pow2, out_struct,
-                                   pad_axis, round_up, tpu_params, tree_sum, vmem)
+from pallas_kernels.common import (compiler_params, default_interpret, dot_f32, kernel_layout,
+                                   next_pow2, out_struct, pad_axis, round_up, tree_sum, vmem)
 
 KV_SPLIT = 32  # keys per step of the online softmax; KV caches are padded to a multiple of this
 BLOCK_Q = 16   # query rows (tokens x query heads of one KV head) per program
@@ -213,7 +213,7 @@ def attention_pallas(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale: float,
         scratch_shapes=[vmem((BLOCK_Q, TPU_LANES), jnp.float32),
                         vmem((BLOCK_Q, TPU_LANES), jnp.float32),
                         vmem((BLOCK_Q, Dp), jnp.float32)],
-        compiler_params=tpu_params("parallel", "parallel", "parallel", "arbitrary"),
+        compiler_params=compiler_params(layout, "parallel", "parallel", "parallel", "arbitrary"),
         interpret=interpret,
     )(q, k, v, mask.astype(jnp.int32))
     return _from_rows(out, B, T, H, D)
@@ -232,6 +232,7 @@ def attention_pallas(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale: float,
                 pl.BlockSpec((None, BLOCK_Q, Sp), lambda b, h, i: (b, i, 0))],
       out_specs=pl.BlockSpec((None, None, BLOCK_Q, Dp), lambda b, h, i: (b, h, i, 0)),
       out_shape=out_struct(q.shape, q_BxTxHxD.dtype, q, k, v, mask),
+      compiler_params=compiler_params(layout),
       interpret=interpret,
   )(q, k, v, mask.astype(jnp.int32))
   return _from_rows(out, B, T, H, D)

@@ -64,11 +64,22 @@ def next_pow2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
-def tpu_params(*semantics: str):
-  """Mosaic compiler parameters: the grid axes' semantics ("parallel" / "arbitrary")."""
-  from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415 (TPU-only module)
+def compiler_params(layout: str, *tpu_semantics: str):
+  """The compiler a layout is written for, named explicitly.
 
-  return pltpu.CompilerParams(dimension_semantics=semantics)
+  GPU: Triton. Pallas on GPU picks Mosaic GPU when no parameters are given (the default in JAX
+  0.10), which these kernels exceed (shared memory, 256-element async copies). TPU: Mosaic,
+  with the grid axes' semantics ("parallel" / "arbitrary"). Interpret mode needs none.
+  """
+  if layout == "gpu":
+    from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415 (GPU-only module)
+
+    return pltriton.CompilerParams()
+  if layout == "tpu":
+    from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415 (TPU-only module)
+
+    return pltpu.CompilerParams(dimension_semantics=tpu_semantics or None)
+  return None
 
 
 def vmem(shape, dtype):
@@ -83,7 +94,9 @@ def dot_f32(a: jax.Array, b: jax.Array, contract=((1,), (0,))) -> jax.Array:
   Triton's default for an f32 dot is TF32 (10 mantissa bits): 3e-4 off in a 300-long sum. f32
   here means f32, so f32 inputs ask for HIGHEST (Triton: IEEE; Mosaic: full-precision passes).
   """
-  precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  # Never None: that would take `jax_default_matmul_precision` ("highest" for XLA's f32 dots,
+  # `tlt_jax.determinism`), which Mosaic refuses for bf16 inputs ("Bad lhs type").
+  precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
   return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
 

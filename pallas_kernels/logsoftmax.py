@@ -1,10 +1,11 @@
 """Row-wise log-softmax and token log-probs with a fixed chunk order over the vocabulary.
 
 Passes over each row in the same chunk order (as Thinking Machines' kernel does): the max, then
-sum(exp(x - max)); then, elementwise, x - max - log(sum). One program owns whole rows, so a row's value
-does not depend on how many rows share the call. `token_logprobs` reads the logit of the given id
-and subtracts the same log-sum-exp: the sampler (one token per row, at decode) and the trainer
-(all tokens of a sequence) call this one function, which is what makes their log-probs equal.
+sum(exp(x - max)); then, elementwise, x - max - log(sum). One program owns whole rows, so a
+row's value does not depend on how many rows share the call. `token_logprobs` reads the logit
+of the given id and subtracts the same log-sum-exp: the sampler (one token per row, at decode)
+and the trainer (all tokens of a sequence) call this one function, which is what makes their
+log-probs equal.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, next_pow2, out_struct, pad_axis, tree_sum
+from pallas_kernels.common import (compiler_params, default_interpret, kernel_layout, next_pow2,
+                                   out_struct, pad_axis, tree_sum)
 
 BLOCK_ROWS = 8
 CHUNK = 512
@@ -79,6 +81,7 @@ def _row_stats(padded_RxV: jax.Array, chunk: int, interpret: bool):
       in_specs=[pl.BlockSpec((BLOCK_ROWS, Vp), lambda i: (i, 0))],
       out_specs=[pl.BlockSpec((BLOCK_ROWS, STAT_LANES), lambda i: (i, 0))] * 2,
       out_shape=[out_struct(stats.shape, stats.dtype, padded_RxV)] * 2,
+      compiler_params=compiler_params(kernel_layout(None, interpret)),
       interpret=interpret,
   )(padded_RxV)
   return row_max[:, :1], log_sum[:, :1]

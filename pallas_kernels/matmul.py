@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (default_interpret, dot_f32, kernel_layout, map_row_blocks,
-                                   out_struct, pad_axis, tpu_params, vmem)
+from pallas_kernels.common import (compiler_params, default_interpret, dot_f32, kernel_layout,
+                                   map_row_blocks, out_struct, pad_axis, vmem)
 
 # (bm, bn, bk) per input dtype and layout: one configuration per backend, used for every shape.
 # GPU (Triton): each program holds a [bm, K] strip of x and a [K, bn] strip of w in global memory
@@ -93,7 +93,7 @@ def matmul_pallas(x_MxK: jax.Array, w_KxN: jax.Array, *, interpret: bool | None 
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)),
         out_shape=out_struct((Mp, Np), out_dtype, x, w),
         scratch_shapes=[vmem((bm, bn), jnp.float32)],
-        compiler_params=tpu_params("parallel", "parallel", "arbitrary"),
+        compiler_params=compiler_params(layout, "parallel", "parallel", "arbitrary"),
         interpret=interpret,
     )(x, w)
     return out[:M, :N]
@@ -104,6 +104,7 @@ def matmul_pallas(x_MxK: jax.Array, w_KxN: jax.Array, *, interpret: bool | None 
                 pl.BlockSpec((Kp, bn), lambda i, j: (0, j))],
       out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
       out_shape=out_struct((Mp, Np), out_dtype, x, w),
+      compiler_params=compiler_params(layout),
       interpret=interpret,
   )(x, w)
   return out[:M, :N]

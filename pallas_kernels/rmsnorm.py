@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (default_interpret, kernel_layout, next_pow2, out_struct, pad_axis,
-                                   tree_sum)
+from pallas_kernels.common import (compiler_params, default_interpret, kernel_layout, next_pow2,
+                                   out_struct, pad_axis, tree_sum)
 
 BLOCK_ROWS = 8
 CHUNK = 256  # columns per step of the in-order sum of squares
@@ -75,6 +75,7 @@ def rms_norm_pallas(x: jax.Array, weight_D: jax.Array, eps: float, *,
                 pl.BlockSpec((1, Dp), lambda i: (0, 0))],
       out_specs=pl.BlockSpec((BLOCK_ROWS, Dp), lambda i: (i, 0)),
       out_shape=out_struct((Rp, Dp), x.dtype, xp, wp),
+      compiler_params=compiler_params(layout),
       interpret=interpret,
   )(xp, wp)
   return out[:R, :D].reshape(*lead, D)

@@ -39,7 +39,8 @@ from pallas_kernels import rmsnorm as rmsnorm_kernels
 NUMERICS_MODES = ("xla", "batch_invariant")
 BACKENDS = ("auto", "pallas", "blocked_jax")
 KV_SPLIT = attention_kernels.KV_SPLIT  # the attention's key split on CPU and GPU
-kv_cache_multiple = attention_kernels.kv_cache_multiple  # KV caches are padded to a multiple of this
+# KV caches are padded to a multiple of this (the attention's KV block on the current target).
+kv_cache_multiple = attention_kernels.kv_cache_multiple
 
 _numerics_state = jax_config.enum_state(
     "tlt_numerics", list(NUMERICS_MODES), "xla",
