@@ -12,7 +12,8 @@ are `jax.ShapeDtypeStruct`s with a `SingleDeviceSharding` on that device, lowere
 `jax.default_device(device)`: Pallas TPU asks the default device which chip it compiles for, and
 `pallas_kernels.common.target_platform()` (so `kernel_layout`, `default_interpret` and
 `tlt_jax.ops.backend()`) picks that target's kernels and layouts. On the H100 the Pallas calls
-lower through Triton (`jax_pallas_use_mosaic_gpu=False`; JAX's GPU default is Mosaic GPU).
+lower through Triton: the kernels pass Triton's compiler parameters (JAX 0.10's Pallas GPU
+default is Mosaic GPU).
 
 Environment: run with `JAX_PLATFORMS=cpu` (CI's compile-check step does). Then JAX neither starts
 a TPU backend from libtpu nor checks for a CUDA driver at start-up, and this module loads what
@@ -39,7 +40,6 @@ import shutil
 from typing import Callable
 
 import jax
-from jax._src import config as jax_config
 from jax._src import xla_bridge
 
 TARGET_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "target_configs")
@@ -228,15 +228,11 @@ def on_device(tree, device: jax.Device):
   return jax.tree.map(spec, tree)
 
 
-def target_context(name: str, force_triton: bool = True):
-  """Everything a trace for the target needs: its device as the default device, and on GPU
-  the Pallas-to-Triton lowering (`force_triton=False`: whatever the process has configured;
-  JAX 0.10's default is Mosaic GPU, which these kernels are not written for)."""
-  stack = contextlib.ExitStack()
-  stack.enter_context(jax.default_device(abstract_device(name)))
-  if force_triton and _target(name).platform == "cuda":
-    stack.enter_context(jax_config.jax_pallas_use_mosaic_gpu(False))
-  return stack
+def target_context(name: str):
+  """Everything a trace for the target needs: its device as the default device. (On GPU the
+  kernels name Triton's compiler themselves, so nothing here forces a Pallas lowering: the
+  H100 cases compile what a run would.)"""
+  return jax.default_device(abstract_device(name))
 
 
 def lower_for(name: str, fn: Callable, *arg_specs, label: str | None = None, **static):

@@ -309,18 +309,17 @@ def test_target_platform_follows_the_abstract_device(target: str):
 
 
 def test_gpu_kernels_lower_to_triton_as_a_run_sets_up():
-  """The H100 cases above force Pallas' Triton lowering; a real run gets whatever the process
-  configured (tests/conftest.py configures it as `tlt_jax.train` does). JAX 0.10's Pallas GPU
-  default is Mosaic GPU, where these kernels do not compile (shared memory, copy sizes), so the
-  kernels must ask for Triton themselves (`compiler_params=plgpu_triton.CompilerParams()`), or
-  the run must set `jax_pallas_use_mosaic_gpu=False` before tracing."""
+  """A real run gets whatever Pallas lowering the process configured (tests/conftest.py
+  configures it as `tlt_jax.train` does). JAX 0.10's Pallas GPU default is Mosaic GPU, where
+  these kernels do not compile (shared memory, copy sizes), so the kernels ask for Triton
+  themselves (`common.compiler_params`): with the process default, they still lower to Triton."""
   _need("h100")
   case = next(c for c in KERNEL_CASES if c.id.startswith("rms_norm-hidden-bf16"))
   device = targets_lib.abstract_device("h100")
   where = (f"{case.id} on h100 as configured (jax_pallas_use_mosaic_gpu="
-           f"{jax.config.jax_pallas_use_mosaic_gpu}, no compiler_params for Triton)")
+           f"{jax.config.jax_pallas_use_mosaic_gpu})")
   try:
-    with targets_lib.target_context("h100", force_triton=False):
+    with targets_lib.target_context("h100"):
       lowered = jax.jit(functools.partial(case.fn, **case.static)).lower(
           *targets_lib.on_device(case.specs, device))
   except Exception as e:  # noqa: BLE001
