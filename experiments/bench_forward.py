@@ -29,7 +29,7 @@ from flax import nnx  # noqa: E402
 from pallas_kernels import attention as attention_kernels  # noqa: E402
 from tlt_jax import config as config_lib  # noqa: E402
 from tlt_jax import ops  # noqa: E402
-from tlt_jax import train as train_lib  # noqa: E402
+from tlt_jax import job as job_lib  # noqa: E402
 from tlt_jax.model.transformer import init_cache  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -66,7 +66,7 @@ def time_ms(fn, reps: int, trials: int = 3) -> tuple[float, np.ndarray]:
 
 def main() -> None:
   c = config_lib.load_config_file(CONFIG)
-  model = train_lib.load_policy(c)[0]
+  model = job_lib.load_policy(c)[0]
   looped = attention_kernels.attention_blocked_jax
   def one_pass(q, k, v, mask, scale, causal=False):  # the single-pass core, to compare
     del causal  # these forwards write a cache: never the causal hint

@@ -39,7 +39,8 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tlt_jax import config as config_lib  # noqa: E402
-from tlt_jax import metrics, train  # noqa: E402
+import tlt_jax  # noqa: E402
+from tlt_jax import metrics  # noqa: E402
 from tlt_jax.tlt.warmup import warmup  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +76,7 @@ def variant_config(name: str, steps: int, workdir: str, drafter_dir: str):
 
 
 def run_variant(name: str, c) -> dict:
-  summary = train.run(c, name)
+  summary = tlt_jax.run_training(c, name)
   rows = [r for r in metrics.read_jsonl(os.path.join(c.workdir, "metrics.jsonl"))
           if "reward_mean" in r]
   keep = ("step_s", "rollout_s", "train_s", "reward_wait_s", "accept_len", "sd_chunk_fraction",

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tlt_jax import config as config_lib
-from tlt_jax import evaluate, train
+from tlt_jax import evaluate, job
 
 from conftest import TINY_ARITH_CONFIG
 
@@ -70,13 +70,13 @@ def test_cli_writes_a_json_report(tmp_path):
       [sys.executable, "-m", "tlt_jax.evaluate", f"--config={TINY_ARITH_CONFIG}:smoke",
        "--samples=2", "--config.eval.num_problems=4", f"--out={out}",
        "--config.metrics.progress=false"],
-      cwd=train.REPO_ROOT, capture_output=True, text=True, timeout=300)
+      cwd=job.REPO_ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(out.read_text())
   assert report["problems"] == 4 and report["samples"] == 2
   assert 0.0 <= report["avg@2"] <= report["pass@2"] <= 1.0
   missing = subprocess.run(
       [sys.executable, "-m", "tlt_jax.evaluate", f"--config={TINY_ARITH_CONFIG}:smoke",
-       f"--checkpoint={tmp_path / 'nope'}"], cwd=train.REPO_ROOT, capture_output=True, text=True,
+       f"--checkpoint={tmp_path / 'nope'}"], cwd=job.REPO_ROOT, capture_output=True, text=True,
       timeout=300)
   assert missing.returncode != 0 and "no such directory" in missing.stderr

@@ -133,10 +133,10 @@ def test_run_devices_follow_the_default_device(devices):
 
 def test_too_many_rollout_groups_is_one_line_naming_the_key():
   from tlt_jax import config as config_lib  # noqa: PLC0415
-  from tlt_jax import train  # noqa: PLC0415
+  from tlt_jax import job  # noqa: PLC0415
 
   c = config_lib.default_config()
   c.rollout.groups = len(mesh_lib.run_devices(local=True)) + 1
   with pytest.raises(ValueError, match=rf"^rollout.groups={c.rollout.groups} must be 1\.\.\d+: "
                                        r"each group needs a device .*JAX_PLATFORMS=cpu[^\n]*$"):
-    train.build_rollout(c, None, (0,))
+    job.build_rollout(c, None, (0,))

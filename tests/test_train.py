@@ -11,9 +11,9 @@ import safetensors.numpy
 
 from tests.conftest import on_devices
 from tlt_jax import config as config_lib
-from tlt_jax import metrics, train
+from tlt_jax import job, metrics, train
 
-CONFIG = os.path.join(train.REPO_ROOT, "experiments", "configs", "tiny_arith.py")
+CONFIG = os.path.join(job.REPO_ROOT, "experiments", "configs", "tiny_arith.py")
 TIMING = {"rollout_s", "reward_wait_s", "train_s", "step_s", "rollout_tokens_per_s"}
 TLT_ONLY = {"accept_len", "sd_chunk_fraction", "buffer_tokens", "idle_device_s"}  # + drafter_*
 

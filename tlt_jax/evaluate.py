@@ -25,7 +25,14 @@ import sys
 import time
 
 import numpy as np
+from flax import nnx
 
+from tlt_jax import checkpoint as ckpt_lib
+from tlt_jax import config as config_lib
+from tlt_jax import determinism, metrics, ops
+from tlt_jax import job as job_lib
+from tlt_jax.data import splits
+from tlt_jax.model import hf, lora
 from tlt_jax.rl.rewards import math_reward
 
 
@@ -34,8 +41,6 @@ def evaluate(engine, formatter, tokenizer, rows: list[dict], *, samples: int = 1
              desc: str = "eval", records: bool = False) -> dict:
   """Generates `samples` answers per row with `engine` and scores them. `records=True` adds
   every sample (problem index, sample index, text, correct) to the report."""
-  from tlt_jax import metrics  # noqa: PLC0415
-
   bar = metrics.progress(total=len(rows) * samples, desc=desc, unit="sample", leave=False,
                          disable=None if progress else True)
 
@@ -89,10 +94,7 @@ def _sort_key(group: str):
 def load_checkpoint(c, checkpoint: str = "", step: int | None = None):
   """(policy model, tokenizer, formatter, eos ids, what was loaded) for `checkpoint` (see the
   module docstring for the kinds it takes)."""
-  from tlt_jax import train  # noqa: PLC0415
-  from tlt_jax.model import hf, lora  # noqa: PLC0415
-
-  model, tokenizer, formatter, eos_ids = train.load_policy(c)
+  model, tokenizer, formatter, eos_ids = job_lib.load_policy(c)
   if not checkpoint:
     return model, tokenizer, formatter, eos_ids, f"base model {c.model.hf_dir}"
   if not os.path.isdir(checkpoint):
@@ -134,14 +136,7 @@ def _check_run_config(c, workdir: str) -> None:
 
 
 def _restore_run_params(c, model, ckpt_dir: str, step: int | None):
-  from flax import nnx  # noqa: PLC0415
-
-  from tlt_jax import checkpoint as ckpt_lib  # noqa: PLC0415
-  from tlt_jax.model import lora  # noqa: PLC0415
-
-  if c.lora.rank > 0:
-    lora.apply_lora(model, rank=c.lora.rank, alpha=c.lora.alpha, targets=tuple(c.lora.targets),
-                    seed=c.seed)
+  job_lib.apply_lora(c, model)
   wrt = nnx.LoRAParam if c.lora.rank > 0 else nnx.Param
   graphdef, trainable, frozen = nnx.split(model, wrt, ...)
   with ckpt_lib.Checkpointer(ckpt_dir, async_save=False) as ckpt:
@@ -156,9 +151,6 @@ def run_eval(c, *, checkpoint: str = "", step: int | None = None, samples: int |
              out: str = "", records: bool = False) -> dict:
   """Evaluates `checkpoint` on the config's held-out problems; writes the JSON report to `out`
   (when given) and returns it."""
-  from tlt_jax import config as config_lib  # noqa: PLC0415
-  from tlt_jax import determinism, ops, train  # noqa: PLC0415
-
   config_lib.validate(c)
   # before JAX creates its backends
   determinism.configure(c.numerics, c.xla_determinism, c.numerics_f32_matmul)
@@ -166,11 +158,11 @@ def run_eval(c, *, checkpoint: str = "", step: int | None = None, samples: int |
   with ops.numerics_mode(c.numerics, c.numerics_backend):
     t0 = time.perf_counter()
     model, tokenizer, formatter, eos_ids, loaded = load_checkpoint(c, checkpoint, step)
-    _, rows, data_report = train.load_rows(c)
-    engine = train.build_rollout(c, model, eos_ids)
+    _, rows, data_report = splits.load_rows(c)
+    engine = job_lib.build_rollout(c, model, eos_ids)
     report = evaluate(engine, formatter, tokenizer, rows, samples=samples,
-                      seed=train.derived_seed(c.seed, train.PURPOSE_EVAL, 0),
-                      difficulty_key=train.eval_group_key(c), progress=c.metrics.progress,
+                      seed=job_lib.derived_seed(c.seed, job_lib.PURPOSE_EVAL, 0),
+                      difficulty_key=splits.eval_group_key(c), progress=c.metrics.progress,
                       desc=f"eval {samples} x {len(rows)}", records=records)
   report = {"checkpoint": loaded, "numerics": c.numerics, "seconds": time.perf_counter() - t0,
             "skipped_rows": data_report["skipped_rows"], **report}
@@ -183,7 +175,7 @@ def run_eval(c, *, checkpoint: str = "", step: int | None = None, samples: int |
 
 def main(argv) -> None:
   del argv
-  from absl import flags  # noqa: PLC0415
+  from absl import flags  # noqa: PLC0415 (absl's flags exist once the CLI has defined them)
 
   f = flags.FLAGS
   out = f.out
@@ -198,12 +190,10 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app, flags  # noqa: PLC0415
-  from ml_collections import config_flags  # noqa: PLC0415
+  from absl import app, flags
+  from ml_collections import config_flags
 
-  from tlt_jax.train import DEFAULT_CONFIG  # noqa: PLC0415
-
-  config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "experiment config file[:variant]",
+  config_flags.DEFINE_config_file("config", job_lib.DEFAULT_CONFIG, "experiment config file[:variant]",
                                   lock_config=True)
   flags.DEFINE_string("checkpoint", "", "run workdir, PEFT adapter dir or HF checkpoint dir")
   flags.DEFINE_integer("step", None, "checkpoint step of a run workdir (default: the newest)")

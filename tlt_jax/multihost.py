@@ -4,7 +4,7 @@ devices, then the rollouts are all-gathered so every process holds the whole bat
 The rollout data of a step is small (token ids, sampler log-probs, rewards), so gathering it is
 cheap, and it keeps the update exact: the loss is normalised over the global batch, as in a
 single-process run, which averaging per-process gradients would not do when the processes'
-token counts differ. The trainer's mesh spans every process's devices (`train.train_mesh`):
+token counts differ. The trainer's mesh spans every process's devices (`job.train_mesh`):
 each process feeds the same host batch and each device computes only its own rows, and the
 updated weights are gathered back to every process for its engine (`Trainer.local_policy`).
 """

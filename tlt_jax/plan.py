@@ -62,9 +62,9 @@ from tlt_jax import ops
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.plan_memory import (GIB, _abstract_model, _bucket_rows, _count, _engine_config,
                                  _lower_programs, _mesh, _residuals, _Shards, _slots_bytes,
-                                 _slots_shape, _slots_shardings, _split, _summary, _train_config,
+                                 _slots_shape, _slots_shardings, _split, _summary,
                                  mesh_sizes)
-from tlt_jax.rl.trainer import make_optimizer
+from tlt_jax.rl.trainer import TrainConfig, make_optimizer
 from tlt_jax.rollout.tuner import Tuner
 
 PHASES = ("always", "rollout", "train")
@@ -205,7 +205,7 @@ def _train_rows(c, mcfg, shards: _Shards, fsdp: int, layer_bytes: float) -> tupl
     g_res += extra * shards.batch * shards.model
   scores = 3 * rdev * shards.over_model(mcfg.num_heads) * T * T * 4
   if exact_tp and c.rl.tp_regather:  # whole vocabulary, one head chunk of tokens at a time
-    dlogits = 2 * rdev * min(T, _train_config(c).head_chunk_tokens) * mcfg.vocab_size * 4
+    dlogits = 2 * rdev * min(T, TrainConfig.from_config(c).head_chunk_tokens) * mcfg.vocab_size * 4
   else:
     vocab = mcfg.vocab_size if exact_tp else shards.over_model(mcfg.vocab_size)
     dlogits = 2 * rdev * T * vocab * 4
@@ -253,7 +253,7 @@ def plan(c: ml_collections.ConfigDict, *, name: str = "config", lower: bool = Tr
   m1 = _abstract_model(mcfg, c, 1)
   _, trainable, frozen = _split(m1, full_ft)
   base, train_n = _count(frozen, mesh, L), _count(trainable, mesh, L)
-  opt = _count(jax.eval_shape(make_optimizer(_train_config(c)).init, trainable), mesh, L)
+  opt = _count(jax.eval_shape(make_optimizer(TrainConfig.from_config(c)).init, trainable), mesh, L)
   ref = 2 if c.rl.kl_coef else 1  # KL reference: a copy (full FT) or zeroed adapters (LoRA)
   rows = [
       Row("params", "always", base.global_bytes, base.device_bytes, _summary(base.by_axes),

@@ -88,19 +88,6 @@ def _sampling(c) -> SamplingParams:
   return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
 
 
-def _train_config(c) -> TrainConfig:
-  rl, r = c.rl, c.rollout
-  return TrainConfig(
-      algorithm=rl.algorithm, loss=rl.loss, lr=rl.lr, warmup_steps=rl.warmup_steps,
-      weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm, minibatches=rl.minibatches,
-      epochs=rl.epochs, eps_low=rl.eps_low if rl.eps_low >= 0 else None,
-      eps_high=rl.eps_high if rl.eps_high >= 0 else None, kl_coef=rl.kl_coef,
-      kl_estimator=rl.kl_estimator, tis_cap=rl.tis_cap, max_response_len=r.max_new_tokens,
-      chunk_rows=rl.chunk_rows, exact_tensor_parallel=rl.exact_tensor_parallel,
-      tp_regather=rl.tp_regather,
-      sampling=_sampling(c))
-
-
 def _engine_config(c, with_drafter: bool) -> engine_lib.EngineConfig:
   r = c.rollout
   arms = parse_arms(c.tlt.arms) if with_drafter else (Arm(OFF),)
@@ -279,7 +266,7 @@ def _residuals(c, mcfg, layers: int, shards: _Shards) -> tuple[float, float]:
   """(global, per-device) bytes autodiff keeps from the forward of one chunk for its backward:
   what `StepFunctions._loss_fn`'s pullback closes over, traced (not run) with `layers` layers."""
   graphdef, trainable, frozen = _split(_abstract_model(mcfg, c, layers), c.lora.rank == 0)
-  tcfg = _train_config(c)
+  tcfg = TrainConfig.from_config(c)
   chunk, extra = _train_inputs(c)
   reference = trainable if c.rl.kl_coef else None
 
@@ -337,7 +324,7 @@ def _lower_programs(c, mcfg, mesh, shards: _Shards, layers: int, compile_: bool)
   # The trainer's own step functions, lowered under GSPMD on the plan's mesh (mesh=None: no
   # shard_map). The batch-invariant trainer runs its forward in shard_map over data x fsdp
   # (parameters gathered over fsdp); `plan` notes that gather.
-  fns = StepFunctions(_train_config(c), graphdef)
+  fns = StepFunctions(TrainConfig.from_config(c), graphdef)
   backend = mesh_lib.default_platform() or jax.default_backend()
   platform = None if isinstance(mesh, jax.sharding.Mesh) else {"gpu": "cuda"}.get(backend, backend)
   drafter = nnx.eval_shape(lambda: Drafter(mcfg, nnx.Rngs(c.seed + 1))) if c.tlt.enabled else None

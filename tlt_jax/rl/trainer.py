@@ -92,6 +92,20 @@ class TrainConfig:
   def loss_name(self) -> str:
     return self.loss or self.algorithm
 
+  @classmethod
+  def from_config(cls, c) -> TrainConfig:
+    """The one translation of a run config (tlt_jax/config.py) into the trainer's settings."""
+    rl, r = c.rl, c.rollout
+    return cls(
+        algorithm=rl.algorithm, loss=rl.loss, lr=rl.lr, warmup_steps=rl.warmup_steps,
+        weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm, minibatches=rl.minibatches,
+        epochs=rl.epochs, eps_low=rl.eps_low if rl.eps_low >= 0 else None,
+        eps_high=rl.eps_high if rl.eps_high >= 0 else None, kl_coef=rl.kl_coef,
+        kl_estimator=rl.kl_estimator, tis_cap=rl.tis_cap, max_response_len=r.max_new_tokens,
+        chunk_rows=rl.chunk_rows, exact_tensor_parallel=rl.exact_tensor_parallel,
+        tp_regather=rl.tp_regather,
+        sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p))
+
 
 @dataclasses.dataclass
 class Batch:

@@ -83,6 +83,17 @@ class EngineConfig:
     if self.verification == "rejection" and any(a.is_tree for a in self.arms):
       raise ValueError("tree arms support verification='gumbel' only")
 
+  @classmethod
+  def from_config(cls, c, eos_ids: tuple[int, ...], arms: tuple[Arm, ...]) -> EngineConfig:
+    """The one translation of a run config (tlt_jax/config.py) into an engine's settings."""
+    r = c.rollout
+    return cls(
+        buckets=tuple(r.buckets), max_prompt_len=r.max_prompt_len,
+        max_new_tokens=r.max_new_tokens, chunk_steps=r.chunk_steps, eos_ids=eos_ids,
+        verification=r.verification,
+        sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
+        compaction=r.compaction, seed=c.seed, arms=arms, drafter_numerics=c.tlt.drafter_numerics)
+
   @property
   def max_depth(self) -> int:
     return max(a.depth for a in self.arms)

@@ -15,59 +15,56 @@ import json
 import os
 import time
 
+import jax
 import numpy as np
+from flax import nnx
 
-from tlt_jax import determinism
-from tlt_jax import train as train_lib
+from tlt_jax import determinism, metrics, ops
+from tlt_jax import job as job_lib
+from tlt_jax import mesh as mesh_lib
+from tlt_jax.data import splits
+from tlt_jax.data.pipeline import prompt_dataset
+from tlt_jax.model.drafter import Drafter
+from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.tuner import OFF, Arm
+from tlt_jax.tlt.buffer import DrafterBuffer
+from tlt_jax.tlt.drafter_trainer import save_drafter
+from tlt_jax.tlt.scheduler import GroupedRollout, SpotTrainer
 
 
 def warmup(c, *, rollouts: int, steps: int, out: str, buffer_dir: str = "") -> dict:
   determinism.configure(c.numerics, c.xla_determinism, c.numerics_f32_matmul)
-  from tlt_jax import ops  # noqa: PLC0415
-
   with ops.numerics_mode(c.numerics, c.numerics_backend):
     return _warmup(c, rollouts, steps, out, buffer_dir)
 
 
 def _warmup(c, rollouts: int, steps: int, out: str, buffer_dir: str) -> dict:
-  import jax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-
-  from tlt_jax import mesh as mesh_lib  # noqa: PLC0415
-  from tlt_jax import metrics  # noqa: PLC0415
-  from tlt_jax.data.pipeline import prompt_dataset  # noqa: PLC0415
-  from tlt_jax.model.drafter import Drafter  # noqa: PLC0415
-  from tlt_jax.rollout.tuner import OFF, Arm  # noqa: PLC0415
-  from tlt_jax.tlt.buffer import DrafterBuffer  # noqa: PLC0415
-  from tlt_jax.tlt.drafter_trainer import save_drafter  # noqa: PLC0415
-  from tlt_jax.tlt.scheduler import GroupedRollout, SpotTrainer  # noqa: PLC0415
-
   start = time.perf_counter()
-  model, _, formatter, eos_ids = train_lib.load_policy(c)
+  model, _, formatter, eos_ids = job_lib.load_policy(c)
   device = mesh_lib.run_devices(local=True)[:1]
   if buffer_dir:
     buffer = DrafterBuffer.load(buffer_dir)
   else:
     buffer = DrafterBuffer(window_steps=rollouts)
-    train_rows, _, _ = train_lib.load_rows(c)
+    train_rows, _, _ = splits.load_rows(c)
     # Its own shuffle of the training prompts: with the run's seed the warm-up would decode
     # exactly the first batches the RL steps then decode, and a drafter that has seen those
     # prompts looks better on them than it is.
     data = iter(prompt_dataset(train_rows, batch_size=c.rollout.prompts_per_step,
-                               seed=int(train_lib.derived_seed(
-                                   c.seed, train_lib.PURPOSE_WARMUP_PROMPTS, 0))))
-    engine = GroupedRollout(model, train_lib.engine_config(c, eos_ids, (Arm(OFF),)), [device])
+                               seed=int(job_lib.derived_seed(
+                                   c.seed, job_lib.PURPOSE_WARMUP_PROMPTS, 0))))
+    engine = GroupedRollout(model, EngineConfig.from_config(c, eos_ids, (Arm(OFF),)), [device])
     bar = metrics.progress(total=rollouts, desc="warm-up rollouts", unit="batch")
     for i in range(rollouts):
       prompts = [formatter.encode(row["prompt"]) for row in next(data)]
       buffer.add(i, engine.generate(prompts, group_size=c.rollout.group_size,
-                                    seed=train_lib.derived_seed(c.seed, train_lib.PURPOSE_WARMUP,
+                                    seed=job_lib.derived_seed(c.seed, job_lib.PURPOSE_WARMUP,
                                                                 i)))
       bar.update(1)
     bar.close()
     buffer.spill(os.path.join(out, "buffer"))
   spot = SpotTrainer(Drafter(model.cfg, nnx.Rngs(c.seed + 1)), model, buffer,
-                     train_lib.spot_config(c, online=False))
+                     job_lib.spot_config(c, online=False))
   batches = spot.refresh_data()
   spot.lend(device)
   curve, marks = [], []  # marks: (steps done, time) at each curve point
@@ -96,7 +93,7 @@ def _warmup(c, rollouts: int, steps: int, out: str, buffer_dir: str) -> dict:
 
 def main(argv) -> None:
   del argv
-  from absl import flags  # noqa: PLC0415
+  from absl import flags  # noqa: PLC0415 (absl's flags exist once the CLI has defined them)
 
   f = flags.FLAGS
   out = f.out or os.path.join("runs", "drafter-warmup")
@@ -106,10 +103,10 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app, flags  # noqa: PLC0415
-  from ml_collections import config_flags  # noqa: PLC0415
+  from absl import app, flags
+  from ml_collections import config_flags
 
-  config_flags.DEFINE_config_file("config", train_lib.DEFAULT_CONFIG,
+  config_flags.DEFINE_config_file("config", job_lib.DEFAULT_CONFIG,
                                   "experiment config file[:variant]", lock_config=True)
   # On tiny_arith, 6 batches (192 samples) were memorized: top-1 agreement 0.98 on them, 0.76
   # on fresh rollouts. 24 batches and 1500 steps (about 4 epochs) generalize much better.
