@@ -272,6 +272,12 @@ class Checkpointer:
     state = {name: _from_pure(abstract_state[name], restored[name]) for name in abstract_state}
     return state, restored[META]
 
+  def delete(self, step: int) -> None:
+    """Removes a committed step (a step saved again with other contents must go first: Orbax
+    never overwrites one)."""
+    self.wait()
+    self._mngr.delete(int(step))
+
   # -- lifetime
 
   def close(self) -> None:

@@ -38,14 +38,30 @@ def _drop_partial_line(path: str) -> None:
     f.truncate(f.read().rfind(b"\n") + 1)
 
 
+def _drop_rows_after(path: str, step: int) -> None:
+  if not os.path.exists(path):
+    return
+  with open(path, encoding="utf-8") as f:
+    lines = f.readlines()
+  kept = [line for line in lines if json.loads(line)["step"] <= step]
+  if len(kept) < len(lines):
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+      f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
 class MetricsWriter:
   """Appends {"step", **metrics} rows to metrics.jsonl and finite numbers to TensorBoard."""
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, tensorboard: bool = True, resume_step: int | None = None):
+    """`resume_step`: a run resumed from that step's checkpoint drops the rows a killed run
+    wrote after it (they are written again), so the file is the uninterrupted run's."""
     os.makedirs(workdir, exist_ok=True)
     self.workdir = workdir
     self.path = os.path.join(workdir, "metrics.jsonl")
     _drop_partial_line(self.path)
+    if resume_step is not None:
+      _drop_rows_after(self.path, resume_step)
     self._jsonl = open(self.path, "a", encoding="utf-8")
     self._events = None
     if tensorboard:

@@ -8,15 +8,22 @@ run's: arrays (Orbax items) and host state (its JSON meta), one entry per statef
     data          meta: the grain iterator's position (per process)
     tuners        meta: each rollout group's bandit statistics (per process)
     progress      meta: the step, running totals, the eval before training
-    buffer        the drafter's window of hidden states, spilled beside the checkpoints
+    buffer        the drafter's window of hidden states, spilled per step beside the
+                  checkpoints (drafter_buffer/step_<s>/) before step s's checkpoint starts, so
+                  a committed step always has its own spill and a killed spill has no step
 
-Every part is saved by `save` and restored by `restore`, in the same order.
+Every part is saved by `save` and restored by `restore`, in the same order. `restore` falls
+back past an unreadable newest step (a run killed while writing it, a damaged disk) to the
+newest readable one and says so; `check_config` refuses a resume whose config changes what the
+checkpoint means.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 import sys
 
 import jax
@@ -56,26 +63,66 @@ def _mine(job: Job, value):
   return value[jax.process_index()] if job.multi_process else value
 
 
+def buffer_dir(job: Job, step: int) -> str:
+  """Where step `step`'s drafter buffer spill lives (this process's, in a multi-process run)."""
+  return os.path.join(job.buffer_dir, f"step_{step}",
+                      *([f"process_{jax.process_index()}"] if job.multi_process else []))
+
+
 def save(job: Job, progress: Progress) -> None:
-  """Starts the checkpoint of step `progress.step` (async unless checkpoint.async_save=False)."""
-  meta = {"step": progress.step, "totals": progress.totals, "eval_before": progress.eval_before,
+  """Starts the checkpoint of step `progress.step` (async unless checkpoint.async_save=False).
+  A step already committed (the regular save of the step a NaN update then stopped at) is
+  replaced: the new one skips the batch that failed."""
+  step = progress.step
+  meta = {"step": step, "totals": progress.totals, "eval_before": progress.eval_before,
           "seed": job.config.seed,
           "data_iterator": _per_process(job, job.data.get_state()),
           "tuners": _per_process(job, [e.tuner.state_dict() for e in job.engine.engines])}
   if job.spot is not None:
     meta.update(drafter_steps_done=job.spot.steps_done, drafter_version=job.spot.version)
+  if step in job.checkpointer.all_steps():
+    job.checkpointer.delete(step)
   if job.buffer is not None and job.config.tlt.spill_buffer:
-    job.buffer.spill(job.buffer_dir)
-  job.checkpointer.save(progress.step, _arrays(job), meta)
+    job.buffer.spill(buffer_dir(job, step))
+    _prune_spills(job, keep={step, *job.checkpointer.all_steps()})
+  job.checkpointer.save(step, _arrays(job), meta)
+
+
+def _prune_spills(job: Job, keep: set[int]) -> None:
+  if not os.path.isdir(job.buffer_dir):
+    return
+  for name in os.listdir(job.buffer_dir):
+    if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) not in keep:
+      shutil.rmtree(os.path.join(job.buffer_dir, name), ignore_errors=True)
 
 
 def restore(job: Job) -> Progress | None:
-  """Restores the newest checkpoint into the job's parts (None: there is none, or
+  """Restores the newest readable checkpoint into the job's parts (None: there is none, or
   checkpoint.resume is off) and returns the loop's progress at it."""
-  latest = job.checkpointer.latest_step() if job.config.checkpoint.resume else None
-  if latest is None:
+  if not job.config.checkpoint.resume:
     return None
-  state, meta = job.checkpointer.restore(_arrays(job), latest)
+  steps = job.checkpointer.all_steps()
+  for step in reversed(steps):
+    try:
+      state, meta = job.checkpointer.restore(_arrays(job), step)
+    except Exception as e:  # noqa: BLE001 (any unreadable step: the next older one is tried)
+      older = [s for s in steps if s < step]
+      print(f"[train] checkpoint step {step} in {job.checkpointer.directory} is unreadable "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            + (f"falling back to step {older[-1]}" if older else "no older step to fall back to"),
+            file=sys.stderr)
+      continue
+    _load(job, state, meta)
+    print(f"[train] resumed from {job.workdir}/checkpoints step {meta['step']}", file=sys.stderr)
+    return Progress(step=meta["step"], totals=meta["totals"], eval_before=meta["eval_before"],
+                    resumed_from=meta["step"])
+  if steps:
+    raise ValueError(f"{job.checkpointer.directory}: no readable checkpoint among steps {steps} "
+                     "(see above); move the directory away to start over")
+  return None
+
+
+def _load(job: Job, state: dict, meta: dict) -> None:
   job.trainer.load_state(state)
   job.engine.update_policy(job.trainer.local_policy())
   job.data.set_state(_mine(job, meta["data_iterator"]))
@@ -85,10 +132,63 @@ def restore(job: Job) -> Progress | None:
     job.spot.load_state({"params": state["drafter"], "opt_state": state["drafter_opt"]},
                         steps_done=meta["drafter_steps_done"], version=meta["drafter_version"])
     job.engine.update_drafter(*job.spot.publish(new_version=False))
-  if job.buffer is not None and os.path.exists(job.buffer_dir):
-    job.buffer = DrafterBuffer.load(job.buffer_dir)
+  spill = buffer_dir(job, meta["step"])
+  if job.buffer is not None and os.path.exists(spill):
+    job.buffer = DrafterBuffer.load(spill)
     if job.spot is not None:
       job.spot.buffer = job.buffer
-  print(f"[train] resumed from {job.workdir}/checkpoints step {meta['step']}", file=sys.stderr)
-  return Progress(step=meta["step"], totals=meta["totals"], eval_before=meta["eval_before"],
-                  resumed_from=meta["step"])
+
+
+# -- the config a checkpoint was written under
+
+# Keys a resume may change: how long to run, what to evaluate and log, how to checkpoint and
+# where to run. Any other key changes what the checkpoint's state means.
+RESUMABLE_KEYS = ("rl.steps", "eval.", "metrics.", "checkpoint.", "workdir", "distributed.",
+                  "rl.reward_workers", "rl.reward_worker_kind", "compile.", "log_level")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[prefix + k] = v
+  return out
+
+
+def check_workdir(c) -> None:
+  """Before anything is built: a workdir with checkpoints is resumed only under the config it
+  was run with (`check_config`), and never silently overwritten (checkpoint.resume=False)."""
+  ckpt_dir = os.path.join(c.workdir, "checkpoints") if c.workdir else ""
+  steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) if (
+      ckpt_dir and os.path.isdir(ckpt_dir)) else []
+  if not steps:
+    return
+  if not c.checkpoint.resume:
+    raise ValueError(f"checkpoint.resume=False but {ckpt_dir} holds steps {steps}: a new run "
+                     "there would mix its checkpoints and metrics with them; use a new "
+                     "config.workdir (or move that one away)")
+  check_config(c, c.workdir)
+
+
+def check_config(c, workdir: str) -> dict:
+  """Before a resume: the keys that differ from the config the workdir's checkpoints were
+  written under, {key: [then, now]}. Raises ValueError naming the first key a resume may not
+  change; the allowed changes are appended to <workdir>/config_changes.jsonl."""
+  path = os.path.join(workdir, "config.json")
+  if not c.checkpoint.resume or not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    then = _flat(json.load(f))
+  now = _flat(json.loads(c.to_json_best_effort()))
+  changed = {k: [then.get(k), now.get(k)] for k in sorted(set(then) | set(now))
+             if then.get(k) != now.get(k)}
+  for key, (old, new) in changed.items():
+    if not key.startswith(RESUMABLE_KEYS):
+      raise ValueError(f"{key}={new!r}: {workdir} was run with {key}={old!r} and its checkpoints "
+                       "continue that run; resume with the same value or use a new workdir")
+  if changed:
+    with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
+      f.write(json.dumps({"changed": changed}) + "\n")
+  return changed

@@ -17,7 +17,9 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -52,13 +54,17 @@ def run(c, name: str = "run", config_path: str = "") -> dict:
   config_lib.validate(c)
   determinism.configure(c.numerics, c.xla_determinism, c.numerics_f32_matmul)
   distributed.initialize_from_config(c)  # multi-host: before the first JAX computation
+  run_state.check_workdir(c)
   with ops.numerics_mode(c.numerics, c.numerics_backend):
     job = job_lib.build(c, name)
-    return train(job, t_start=t_start, config_path=config_path)
+    with _Preemption() as preemption:
+      return train(job, t_start=t_start, config_path=config_path, preemption=preemption)
 
 
-def train(job: job_lib.Job, *, t_start: float | None = None, config_path: str = "") -> dict:
-  """The loop over a built job: compile, resume or evaluate, steps with hooks, final eval."""
+def train(job: job_lib.Job, *, t_start: float | None = None, config_path: str = "",
+          preemption: _Preemption | None = None) -> dict:
+  """The loop over a built job: compile, resume or evaluate, steps with hooks, final eval.
+  With `preemption` (SIGTERM seen), it stops after the current step with a checkpoint."""
   t_start = time.perf_counter() if t_start is None else t_start
   c, workdir, steps = job.config, job.workdir, job.config.rl.steps
   if job.primary:
@@ -78,9 +84,11 @@ def train(job: job_lib.Job, *, t_start: float | None = None, config_path: str = 
     progress = run_state.Progress()
     progress.eval_before = _timed(run_eval, 0, progress.totals)
   # Other processes log their (identical, gathered) step metrics under process_<i>/.
-  writer = (metrics_lib.MetricsWriter(workdir, tensorboard=c.metrics.tensorboard) if job.primary
+  writer = (metrics_lib.MetricsWriter(workdir, tensorboard=c.metrics.tensorboard,
+                                      resume_step=progress.resumed_from) if job.primary
             else metrics_lib.MetricsWriter(
-                os.path.join(workdir, f"process_{jax.process_index()}"), tensorboard=False))
+                os.path.join(workdir, f"process_{jax.process_index()}"), tensorboard=False,
+                resume_step=progress.resumed_from))
   if progress.resumed_from is None:
     writer.write(0, {"eval_accuracy": progress.eval_before["accuracy"]})
 
@@ -110,6 +118,10 @@ def train(job: job_lib.Job, *, t_start: float | None = None, config_path: str = 
     progress.step = step + 1
     for hook in hooks:
       hook(StepDone(step + 1, record, started, last=step + 1 == steps))
+    if preemption is not None and step + 1 < steps and preemption.agreed(job):
+      bar.close()
+      writer.close()
+      return _preempted(job, progress)
   bar.close()
 
   eval_after = _timed(run_eval, steps, progress.totals)
@@ -118,6 +130,44 @@ def train(job: job_lib.Job, *, t_start: float | None = None, config_path: str = 
   job.close()
   return _finish(job, progress, eval_after, last_trace, time.perf_counter() - t_start, compile_s,
                  config_path)
+
+
+class _Preemption:
+  """SIGTERM (TPU pods and spot GPUs send it before they take the machine) asks the loop to
+  stop after the current step; every process stops at the same step."""
+
+  def __init__(self):
+    self.requested, self._previous = False, None
+
+  def __enter__(self) -> _Preemption:
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+  def _on_sigterm(self, signum, frame) -> None:
+    del signum, frame
+    self.requested = True
+    print("[train] SIGTERM: stopping after this step with a checkpoint", file=sys.stderr)
+
+  def agreed(self, job: job_lib.Job) -> bool:
+    if job.multi_process:  # one process's signal stops all of them at the same step
+      return any(multihost.gather_json(self.requested))
+    return self.requested
+
+
+def _preempted(job: job_lib.Job, progress: run_state.Progress) -> dict:
+  job.checkpointer.wait()
+  if progress.step not in job.checkpointer.all_steps():
+    run_state.save(job, progress)
+  job.close()
+  print(f"[train] preempted: step {progress.step} is checkpointed in {job.workdir}/checkpoints; "
+        "the same command resumes there", file=sys.stderr)
+  return {"preempted": True, "workdir": job.workdir, "step": progress.step,
+          "process_index": jax.process_index()}
 
 
 def _progress(c, **kw):

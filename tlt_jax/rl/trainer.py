@@ -477,6 +477,10 @@ class Trainer:
           prep_stats.append(st)
           prep_weights.append(w / len(plan))
     update_stats, update_weights, grad_norms = [], [], []
+    # Several updates per batch: one non-finite update must undo the ones before it too, and
+    # the update donates its inputs, so the state before the batch is kept as a copy.
+    before = (None if cfg.minibatches * cfg.epochs == 1 else
+              jax.tree.map(jnp.copy, (self.trainable, self.opt_state)))
     for _ in range(cfg.epochs):
       for m, chunk_list in enumerate(plan):
         grads, stats = self.gradients(chunk_list, prepared[m] if prepared else None)
@@ -494,6 +498,8 @@ class Trainer:
     out["train_tokens_padded"] = int(sum(dev[0].shape[0] * dev[0].shape[1]
                                          for chunk_list in plan for dev, _ in chunk_list))
     if not all(np.isfinite(grad_norms)) or not np.isfinite(out["loss"]):
+      if before is not None:
+        self.trainable, self.opt_state = before
       raise FloatingPointError(
           "non-finite loss or gradient in the train step; the update was not applied, so the "
           f"parameters and optimizer state are those before this batch. Step statistics: {out}")
