@@ -42,6 +42,7 @@ def accept_lengths(c, drafter_dir: str) -> dict[str, float]:
   """Accept length per arm on fresh prompts (another seed than the warm-up's rollouts)."""
   from tlt_jax import train as train_lib  # noqa: PLC0415
   from tlt_jax.data.pipeline import prompt_dataset  # noqa: PLC0415
+  from tlt_jax.rollout.config import EngineConfig  # noqa: PLC0415
   from tlt_jax.rollout.engine import RolloutEngine  # noqa: PLC0415
   from tlt_jax.rollout.tuner import OFF, Arm  # noqa: PLC0415
   from tlt_jax.tlt.drafter_trainer import load_drafter  # noqa: PLC0415
@@ -49,7 +50,7 @@ def accept_lengths(c, drafter_dir: str) -> dict[str, float]:
   model, _, formatter, eos_ids = train_lib.load_policy(c)
   drafter = load_drafter(drafter_dir, model.cfg)
   arms = (Arm(OFF), Arm("chain2", 2), Arm("chain4", 4))
-  engine = RolloutEngine(model, train_lib.engine_config(c, eos_ids, arms), drafter)
+  engine = RolloutEngine(model, EngineConfig.from_config(c, eos_ids, arms), drafter)
   train_rows, _, _ = train_lib.load_rows(c)
   data = iter(prompt_dataset(train_rows, batch_size=c.rollout.prompts_per_step, seed=12345))
   batches = [[formatter.encode(row["prompt"]) for row in next(data)] for _ in range(EVAL_BATCHES)]

@@ -119,21 +119,15 @@ def load_policy(c):
 
 
 def engine_config(c, eos_ids, arms):
-  from tlt_jax.rollout.engine import EngineConfig  # noqa: PLC0415
-  from tlt_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
+  from tlt_jax.rollout.config import EngineConfig  # noqa: PLC0415
 
-  r = c.rollout
-  return EngineConfig(
-      buckets=tuple(r.buckets), max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
-      chunk_steps=r.chunk_steps, eos_ids=eos_ids, verification=r.verification,
-      sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
-      compaction=r.compaction, seed=c.seed, arms=arms, drafter_numerics=c.tlt.drafter_numerics)
+  return EngineConfig.from_config(c, eos_ids, arms)
 
 
 def spot_config(c, *, online: bool = True):
   """The drafter trainer's settings: online during RL, or for the offline warm-up."""
   from tlt_jax.tlt.drafter_trainer import DrafterLossConfig  # noqa: PLC0415
-  from tlt_jax.tlt.scheduler import SpotConfig  # noqa: PLC0415
+  from tlt_jax.tlt.spot import SpotConfig  # noqa: PLC0415
 
   t = c.tlt
   return SpotConfig(lr=t.online_lr if online else t.drafter_lr, rows=t.rows,
@@ -164,8 +158,8 @@ def build_rollout(c, model, eos_ids, drafter=None):
   """The rollout engines of the config: `rollout.groups` data-parallel groups over the local
   devices, with the tuner's SD arms when TLT is on (plain decode otherwise)."""
   from tlt_jax import mesh as mesh_lib  # noqa: PLC0415
+  from tlt_jax.rollout.groups import GroupedRollout  # noqa: PLC0415
   from tlt_jax.rollout.tuner import OFF, Arm, parse_arms  # noqa: PLC0415
-  from tlt_jax.tlt.scheduler import GroupedRollout  # noqa: PLC0415
 
   devices = mesh_lib.run_devices(local=True)
   if not 1 <= c.rollout.groups <= len(devices):
@@ -213,7 +207,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   from tlt_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
   from tlt_jax.tlt.buffer import DrafterBuffer  # noqa: PLC0415
   from tlt_jax.tlt.drafter_trainer import load_drafter  # noqa: PLC0415
-  from tlt_jax.tlt.scheduler import SpotTrainer  # noqa: PLC0415
+  from tlt_jax.tlt.spot import SpotTrainer  # noqa: PLC0415
 
   t_start = time.perf_counter()
   # Several processes (config.distributed): each decodes its share of the prompts on its own

@@ -37,10 +37,12 @@ def _warmup(c, rollouts: int, steps: int, out: str, buffer_dir: str) -> dict:
   from tlt_jax import metrics  # noqa: PLC0415
   from tlt_jax.data.pipeline import prompt_dataset  # noqa: PLC0415
   from tlt_jax.model.drafter import Drafter  # noqa: PLC0415
+  from tlt_jax.rollout.config import EngineConfig  # noqa: PLC0415
+  from tlt_jax.rollout.groups import GroupedRollout  # noqa: PLC0415
   from tlt_jax.rollout.tuner import OFF, Arm  # noqa: PLC0415
   from tlt_jax.tlt.buffer import DrafterBuffer  # noqa: PLC0415
   from tlt_jax.tlt.drafter_trainer import save_drafter  # noqa: PLC0415
-  from tlt_jax.tlt.scheduler import GroupedRollout, SpotTrainer  # noqa: PLC0415
+  from tlt_jax.tlt.spot import SpotTrainer  # noqa: PLC0415
 
   start = time.perf_counter()
   model, _, formatter, eos_ids = train_lib.load_policy(c)
@@ -56,7 +58,7 @@ def _warmup(c, rollouts: int, steps: int, out: str, buffer_dir: str) -> dict:
     data = iter(prompt_dataset(train_rows, batch_size=c.rollout.prompts_per_step,
                                seed=int(train_lib.derived_seed(
                                    c.seed, train_lib.PURPOSE_WARMUP_PROMPTS, 0))))
-    engine = GroupedRollout(model, train_lib.engine_config(c, eos_ids, (Arm(OFF),)), [device])
+    engine = GroupedRollout(model, EngineConfig.from_config(c, eos_ids, (Arm(OFF),)), [device])
     bar = metrics.progress(total=rollouts, desc="warm-up rollouts", unit="batch")
     for i in range(rollouts):
       prompts = [formatter.encode(row["prompt"]) for row in next(data)]
