@@ -1,11 +1,12 @@
-"""The rollout's device programs: pure functions of (models, config, slot state) that `rollout.
-programs` jits and compiles per (phase, bucket, strategy), and the state they carry (`Slots`).
+"""The rollout's device programs, pure functions of (models, config, slot state) that
+`rollout.programs` jits and compiles per (phase, bucket, strategy), and the state they carry
+(`Slots`):
 
   prefill       a bucket of prompts -> fresh slots (first token sampled, drafter cache filled)
-  decode_chunk  up to `chunk_steps` rounds on device: plain steps, chain SD (`_sd_step`) or tree
-                SD (`_tree_step`), each ending in `_commit`; a plain chunk brings the drafter's
-                cache up to date after it (`_drafter_catch_up`)
-  insert / compact / empty   move rows between buckets (refill, compaction) and start one
+  decode_chunk  up to `chunk_steps` rounds on device: plain steps, or chain (`_sd_step`) or tree
+                (`_tree_step`) speculative rounds, both ending in `_commit`; after a plain chunk
+                the drafter's cache catches up in one forward (`_drafter_catch_up`)
+  insert / compact / empty   move rows between buckets (refill, compaction), start a bucket
 
 Exactness (with `numerics="batch_invariant"`): the slot a sample occupies, the bucket, the
 chunk size, the refill order and compaction change none of its tokens or log-probs, and `gumbel`
