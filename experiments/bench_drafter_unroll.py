@@ -43,7 +43,8 @@ def accept_lengths(c, drafter_dir: str) -> dict[str, float]:
   from tlt_jax import job as job_lib  # noqa: PLC0415
   from tlt_jax.data import splits  # noqa: PLC0415
   from tlt_jax.data.pipeline import prompt_dataset  # noqa: PLC0415
-  from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: PLC0415
+  from tlt_jax.rollout.config import EngineConfig  # noqa: PLC0415
+  from tlt_jax.rollout.engine import RolloutEngine  # noqa: PLC0415
   from tlt_jax.rollout.tuner import OFF, Arm  # noqa: PLC0415
   from tlt_jax.tlt.drafter_trainer import load_drafter  # noqa: PLC0415
 

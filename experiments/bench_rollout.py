@@ -27,7 +27,8 @@ from flax import nnx
 from tlt_jax import ops
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import ModelConfig, Transformer
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.tuner import OFF, default_arms, tree_arm
 from tlt_jax.tlt.drafter_trainer import train_on_sequences

@@ -85,7 +85,8 @@ from tlt_jax.data.chat import PromptFormatter
 from tlt_jax.model import hf
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.rl.rewards import math_reward
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.tuner import OFF, Arm
 from tlt_jax.tlt.drafter_trainer import train_on_sequences
@@ -282,7 +283,8 @@ from tlt_jax.data import synthetic
 from tlt_jax.data.chat import PromptFormatter
 from tlt_jax.model import hf
 from tlt_jax.rl.trainer import make_batch, policy_logprobs
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.tuner import OFF, Arm
 
@@ -413,7 +415,7 @@ their slots sit empty while a few long ones decode at a tiny batch size. This no
 1. runs one rollout of the tiny model on a mix of problem sizes (64 samples, up to 192 new
    tokens, temperature 1) and plots live slots over time, the response-length distribution, and
    where the decode time goes,
-2. runs the discrete-event simulation of `experiments/simulate_long_tail.py` (devices in groups
+2. runs the discrete-event simulation of `tlt_jax/perf/long_tail.py` (devices in groups
    of 8, log-normal lengths, SD in the tail, spot drafter training on idle groups) for a few
    device counts, and plots the predicted idle fraction and speedup,
 3. shows what TLT measured on this CPU (`experiments/results/tlt.json`), and why it is slower
@@ -429,12 +431,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
 
-from experiments import simulate_long_tail as sim
 from tlt_jax.data import synthetic
 from tlt_jax.data.chat import PromptFormatter
 from tlt_jax.model import hf
+from tlt_jax.perf import long_tail as sim
 from tlt_jax.rl.rewards import math_reward
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.tuner import OFF, Arm
 
@@ -540,7 +543,7 @@ devices wait for the slowest one. That regime is what the simulation models.
 
 ## What the simulation predicts for real devices
 
-`experiments/simulate_long_tail.py`, called as functions: D devices in data-parallel groups of
+`tlt_jax/perf/long_tail.py`, called as functions: D devices in data-parallel groups of
 8, 256 responses per group with log-normal lengths (median 3000 tokens, 32K cap), decode step
 cost `fixed + per_row x b` fitted to this CPU's `rollout.json`, SD once a group has <= 32 live
 rows with the measured accept length, and for `tlt` an accept length 20% higher when idle

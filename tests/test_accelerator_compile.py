@@ -108,17 +108,18 @@ def _tiny_models(arch: str):
 def _engine_program(arch: str, phase: str, target: str):
   """The rollout engine's own program (`ProgramPool._build`), its parameters abstract on the
   target's device: prefill, plain decode, chain verify (drafter included) or tree verify."""
-  from tlt_jax.rollout import engine as engine_lib  # noqa: PLC0415
+  from tlt_jax.rollout.config import EngineConfig  # noqa: PLC0415
+  from tlt_jax.rollout.programs import ProgramPool  # noqa: PLC0415
   from tlt_jax.rollout.tuner import OFF, Arm, tree_arm  # noqa: PLC0415
 
   model, drafter = _tiny_models(arch)
   arms = {"decode": Arm(OFF), "verify_chain": Arm("chain4", 4),
           "verify_tree": tree_arm(3, 2, 5)}
   arm = arms.get(phase, Arm(OFF))
-  cfg = engine_lib.EngineConfig(buckets=(4,), max_prompt_len=16, max_new_tokens=32,
-                                chunk_steps=4, arms=(Arm(OFF), arm) if arm.depth else (arm,),
-                                drafter_numerics="policy", compilation_cache_dir="")
-  pool = engine_lib.ProgramPool(model, drafter, cfg, {4: [a.name for a in cfg.arms]})
+  cfg = EngineConfig(buckets=(4,), max_prompt_len=16, max_new_tokens=32, chunk_steps=4,
+                     arms=(Arm(OFF), arm) if arm.depth else (arm,), drafter_numerics="policy",
+                     compilation_cache_dir="")
+  pool = ProgramPool(model, drafter, cfg, {4: [a.name for a in cfg.arms]})
   device = targets_lib.abstract_device(target)
   pool.params = targets_lib.on_device(pool.params, device)
   pool.draft_params = targets_lib.on_device(pool.draft_params, device)
@@ -131,7 +132,7 @@ def _engine_program(arch: str, phase: str, target: str):
 def _lowered_build(pool, key):
   """`pool._build(key)`, stopped before its `.compile()`: the Lowered, so the test can count
   the Pallas calls in it first."""
-  from tlt_jax.rollout import engine as engine_lib  # noqa: PLC0415
+  from tlt_jax.rollout.programs import ProgramPool  # noqa: PLC0415
 
   class Lazy:  # program.lower(...).compile() returns the Lowered
     def __init__(self, jitted):
@@ -141,7 +142,7 @@ def _lowered_build(pool, key):
       lowered = self.jitted.lower(*args)
       return types.SimpleNamespace(compile=lambda: lowered)
 
-  pool._jit = lambda *a, **k: Lazy(engine_lib.ProgramPool._jit(pool, *a, **k))  # noqa: SLF001
+  pool._jit = lambda *a, **k: Lazy(ProgramPool._jit(pool, *a, **k))  # noqa: SLF001
   return pool._build(key)  # noqa: SLF001
 
 

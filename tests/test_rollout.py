@@ -18,8 +18,10 @@ from tests.conftest import on_devices
 from tlt_jax import ops
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import ModelConfig, Transformer
-from tlt_jax.rollout import engine as engine_lib
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout import programs as programs_lib
+from tlt_jax.rollout import steps as steps_lib
+from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.tuner import OFF, Arm, Tuner, default_arms, tree_arm
 
@@ -126,11 +128,11 @@ def test_plain_chunks_bring_the_drafter_cache_up_to_date():
 
   @jax.jit
   def prefill_and_decode():
-    s = engine_lib._prefill(target, draft, cfg, jnp.asarray(padded), jnp.asarray(lengths),
-                            jnp.arange(B, dtype=jnp.int32),
-                            jnp.array([10, 4, 10, 7], jnp.int32), jnp.int32(0))
+    s = steps_lib.prefill(target, draft, cfg, jnp.asarray(padded), jnp.asarray(lengths),
+                          jnp.arange(B, dtype=jnp.int32),
+                          jnp.array([10, 4, 10, 7], jnp.int32), jnp.int32(0))
     for _ in range(3):  # chunks of 3 steps; rows 1 and 3 finish (max_new) inside a chunk
-      s, _, _ = engine_lib._decode_chunk(target, draft, cfg, Arm(OFF), s, jnp.int32(0))
+      s, _, _ = steps_lib.decode_chunk(target, draft, cfg, Arm(OFF), s, jnp.int32(0))
     return s
 
   with ops.numerics_mode("batch_invariant"):
@@ -173,7 +175,8 @@ def test_tensor_parallel_groups_are_bitwise_the_unsplit_engine():
   parallelism, the Pallas kernels), decoding with a tree: every token and log-prob is bitwise
   the single-device engine's plain decoding (per-query cache layouts, accepted paths moved and
   compaction, all within caches split over the KV heads)."""
-  from tlt_jax.tlt.scheduler import GroupedRollout, group_sharding  # noqa: PLC0415
+  from tlt_jax.mesh import group_sharding  # noqa: PLC0415
+  from tlt_jax.rollout.groups import GroupedRollout  # noqa: PLC0415
 
   target, draft = _models()
   cfg = dataclasses.replace(CFG, buckets=(2, 4))  # few programs: Pallas interprets on CPU
@@ -260,16 +263,16 @@ def test_rejection_sampling_matches_the_target_distribution():
 
 
 def test_a_broken_acceptance_rule_fails_the_distribution_test(monkeypatch):
-  original = engine_lib._rejection_emit
+  original = steps_lib._rejection_emit
 
   def accept_everything(s, seed, depth, drafts_BxK, *rest):
     _, accept = original(s, seed, depth, drafts_BxK, *rest)
     bonus = rest[-1][:, -1:]
     return jnp.concatenate([drafts_BxK, bonus], axis=1), jnp.ones_like(accept)
 
-  monkeypatch.setattr(engine_lib, "_rejection_emit", accept_everything)
+  monkeypatch.setattr(steps_lib, "_rejection_emit", accept_everything)
   # Engines share compiled programs: the patched rule gets programs of its own, dropped after.
-  monkeypatch.setattr(engine_lib, "_SHARED_PROGRAMS", collections.OrderedDict())
+  monkeypatch.setattr(programs_lib, "_SHARED_PROGRAMS", collections.OrderedDict())
   target, engine = _rejection_engine()
   prompt = [1, 5, 7]
   counts = _first_two_counts(engine, prompt, 20_000)

@@ -13,11 +13,13 @@ from tests.conftest import on_devices
 from tlt_jax import ops
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import ModelConfig, Transformer
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.groups import GroupedRollout
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.tuner import OFF, Arm
 from tlt_jax.tlt.buffer import DrafterBuffer
-from tlt_jax.tlt.scheduler import GroupedRollout, SpotConfig, SpotTrainer
+from tlt_jax.tlt.spot import SpotConfig, SpotTrainer
 
 EOS = 3
 CFG = EngineConfig(buckets=(2, 4), max_prompt_len=4, max_new_tokens=12, chunk_steps=2,

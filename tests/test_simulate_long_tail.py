@@ -1,4 +1,5 @@
-"""Long-tail simulator (experiments/simulate_long_tail.py): closed-form cases, orderings, keys.
+"""Long-tail simulator (tlt_jax/perf/long_tail.py) and its CLI (experiments/simulate_long_tail.py):
+closed-form cases, orderings, keys.
 
     python -m pytest tests/test_simulate_long_tail.py -q -p no:cacheprovider
 
@@ -14,7 +15,8 @@ import math
 import numpy as np
 import pytest
 
-from experiments import simulate_long_tail as sim
+from experiments import simulate_long_tail as sim_cli
+from tlt_jax.perf import long_tail as sim
 
 # Round numbers so the expected values below can be written by hand.
 P = sim.Params(fixed_s=1e-3, per_row_s=1e-4, accept_len=3.0, sd_overhead=0.5,
@@ -120,8 +122,8 @@ def test_default_params_ordering_of_speedups():
 
 
 def test_report_keys_and_files(tmp_path, capsys):
-  report = sim.main(["--quick", "--devices", "8", "16", "--samples-per-group", "16",
-                     "--out-dir", str(tmp_path)])
+  report = sim_cli.main(["--quick", "--devices", "8", "16", "--samples-per-group", "16",
+                         "--out-dir", str(tmp_path)])
   assert (tmp_path / "simulation_quick.png").stat().st_size > 10_000
   saved = json.loads((tmp_path / "simulation_quick.json").read_text())
   assert json.loads(capsys.readouterr().out) == saved == json.loads(json.dumps(report))

@@ -27,7 +27,8 @@ _API = {
     "build_job": ("tlt_jax.job", "build"),
     "load_policy": ("tlt_jax.job", "load_policy"),
     "RolloutEngine": ("tlt_jax.rollout.engine", "RolloutEngine"),
-    "EngineConfig": ("tlt_jax.rollout.engine", "EngineConfig"),
+    "GroupedRollout": ("tlt_jax.rollout.groups", "GroupedRollout"),
+    "EngineConfig": ("tlt_jax.rollout.config", "EngineConfig"),
     "SamplingParams": ("tlt_jax.rollout.sampling", "SamplingParams"),
 }
 __all__ = sorted(_API)

@@ -27,11 +27,12 @@ from tlt_jax.model import hf, lora
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.rl.scoring import RewardScorer, RewardSpec
 from tlt_jax.rl.trainer import TrainConfig, Trainer
-from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.groups import GroupedRollout
 from tlt_jax.rollout.tuner import OFF, Arm, parse_arms
 from tlt_jax.tlt.buffer import DrafterBuffer
 from tlt_jax.tlt.drafter_trainer import DrafterLossConfig, load_drafter
-from tlt_jax.tlt.scheduler import GroupedRollout, SpotConfig, SpotTrainer
+from tlt_jax.tlt.spot import SpotConfig, SpotTrainer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "experiments", "configs", "tiny_arith.py")
@@ -62,9 +63,7 @@ def load_policy(c) -> Policy:
   formatter = PromptFormatter.from_hf_dir(c.model.hf_dir, tokenizer,
                                           system_prompt=c.data.system_prompt,
                                           use_chat_template=c.data.use_chat_template)
-  eos = model.cfg.eos_token_id
-  eos_ids = tuple(eos) if isinstance(eos, (tuple, list)) else ((eos,) if eos is not None else ())
-  return Policy(model, tokenizer, formatter, eos_ids)
+  return Policy(model, tokenizer, formatter, model.cfg.eos_ids)
 
 
 def apply_lora(c, model) -> None:

@@ -114,6 +114,13 @@ def data_group_devices(mesh: Mesh, index: int) -> list[jax.Device]:
   return list(mesh.devices[index].flat)
 
 
+def group_sharding(devices: Sequence[jax.Device], batch: bool = False) -> NamedSharding:
+  """Everything replicated over a group's devices (or the leading axis split over them): where
+  a rollout group's engine (`rollout.groups`) and the drafter trainer lent to it place arrays."""
+  mesh = Mesh(np.array(list(devices)), ("data",))
+  return NamedSharding(mesh, P("data") if batch else P())
+
+
 def logical_axes(path: str) -> tuple:
   for pattern, axes in PARAM_LOGICAL_AXES:
     if re.search(pattern, path):

@@ -13,7 +13,7 @@ so a 32-device plan runs on a laptop; in a process whose JAX already has another
 What is counted, per device, from each array's shard shape on the mesh (`tlt_jax/mesh.py` rules):
   always   params (frozen base), trainable (LoRA, or all params at lora.rank=0), AdamW state
            (optax, as `rl/trainer.py` builds it), the drafter (an engine copy, the spot
-           trainer's copy and its AdamW state; replicated, as `tlt/scheduler.py` places it),
+           trainer's copy and its AdamW state; replicated, as `tlt/spot.py` places it),
            the drafter's data window (every sample's [max_new_tokens, D] hidden states, kept on
            device for tlt.window_steps steps);
   rollout  the engine's slots at its largest bucket (KV cache of every layer + the drafter's
@@ -138,7 +138,7 @@ def _rollout_rows(c, mcfg, mesh, shards: _Shards, n: int, target, drafter) -> li
   intermediates) or a decode round at any bucket (logits of every verified token, a tree's
   per-query copy of one layer's cache)."""
   t = c.tlt
-  ecfg = _engine_config(c, t.enabled)
+  ecfg = _engine_config(c, mcfg, t.enabled)
   D, V, I, H, K, hd = (mcfg.hidden_size, mcfg.vocab_size, mcfg.intermediate_size, mcfg.num_heads,
                        mcfg.num_kv_heads, mcfg.head_dim)
   itemsize, L = jnp.dtype(mcfg.dtype).itemsize, mcfg.num_layers

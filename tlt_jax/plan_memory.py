@@ -25,8 +25,8 @@ from tlt_jax.model import lora
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import ModelConfig, Transformer
 from tlt_jax.rl.trainer import StepFunctions, TrainConfig
-from tlt_jax.rollout import engine as engine_lib
-from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout import steps as rollout_steps
+from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.tuner import OFF, Arm, Tuner, parse_arms
 
 GIB = 2 ** 30
@@ -83,18 +83,10 @@ def _split(model: Transformer, full_ft: bool):
   return nnx.split(model, nnx.Param if full_ft else nnx.LoRAParam, ...)
 
 
-def _sampling(c) -> SamplingParams:
-  r = c.rollout
-  return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
-
-
-def _engine_config(c, with_drafter: bool) -> engine_lib.EngineConfig:
-  r = c.rollout
+def _engine_config(c, mcfg: ModelConfig, with_drafter: bool) -> EngineConfig:
+  """The job's engine config (`EngineConfig.from_config`), with the policy's end tokens."""
   arms = parse_arms(c.tlt.arms) if with_drafter else (Arm(OFF),)
-  return engine_lib.EngineConfig(
-      buckets=tuple(r.buckets), max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
-      chunk_steps=r.chunk_steps, verification=r.verification, sampling=_sampling(c),
-      compaction=r.compaction, seed=c.seed, arms=arms, compilation_cache_dir="")
+  return EngineConfig.from_config(c, mcfg.eos_ids, arms)
 
 
 def _train_inputs(c):
@@ -110,15 +102,15 @@ def _train_inputs(c):
 
 
 def _slots_shape(target, drafter, ecfg, rows: int):
-  """The engine's state for `rows` slots (`engine._prefill` evaluated abstractly)."""
+  """The engine's state for `rows` slots (`rollout.steps.prefill` evaluated abstractly)."""
   gd, params = nnx.split(target)
   dgd, dparams = nnx.split(drafter) if drafter is not None else (None, None)
 
   def init(params, dparams):
     d = nnx.merge(dgd, dparams) if dgd is not None else None
     zeros, ones = jnp.zeros((rows, ecfg.max_prompt_len), jnp.int32), jnp.ones((rows,), jnp.int32)
-    return engine_lib._prefill(nnx.merge(gd, params), d, ecfg, zeros, ones, ones, ones,
-                               jnp.int32(0))
+    return rollout_steps.prefill(nnx.merge(gd, params), d, ecfg, zeros, ones, ones, ones,
+                                 jnp.int32(0))
   with ops.numerics_mode("xla"):  # shapes only
     return jax.eval_shape(init, params, dparams)
 
@@ -328,7 +320,7 @@ def _lower_programs(c, mcfg, mesh, shards: _Shards, layers: int, compile_: bool)
   backend = mesh_lib.default_platform() or jax.default_backend()
   platform = None if isinstance(mesh, jax.sharding.Mesh) else {"gpu": "cuda"}.get(backend, backend)
   drafter = nnx.eval_shape(lambda: Drafter(mcfg, nnx.Rngs(c.seed + 1))) if c.tlt.enabled else None
-  ecfg = _engine_config(c, drafter is not None)
+  ecfg = _engine_config(c, mcfg, drafter is not None)
   bucket, groups = _bucket_rows(c, ecfg)
   rows = bucket * groups
   arm = max((a for a in ecfg.arms if a.name in Tuner(ecfg.arms, ecfg.buckets).allowed[bucket]),
@@ -348,10 +340,10 @@ def _lower_programs(c, mcfg, mesh, shards: _Shards, layers: int, compile_: bool)
     return fns._grad_fn(trainable, frozen, reference, jnp.float32(1.0), *chunk, *extra)
 
   def prefill(p, d, *args):
-    return engine_lib._prefill(*models(p, d), ecfg, *args)
+    return rollout_steps.prefill(*models(p, d), ecfg, *args)
 
   def decode(p, d, s, seed):
-    return engine_lib._decode_chunk(*models(p, d), ecfg, arm, s, seed)
+    return rollout_steps.decode_chunk(*models(p, d), ecfg, arm, s, seed)
 
   opt = jax.eval_shape(fns.tx.init, trainable)
   R, L = chunk[0].shape
@@ -362,10 +354,10 @@ def _lower_programs(c, mcfg, mesh, shards: _Shards, layers: int, compile_: bool)
       ("optimizer update", "StepFunctions._apply_fn: clip + AdamW",
        fns._apply_fn,
        (tr, _abstract(opt, _shardings(opt, mesh)), tr), (0, 1)),
-      ("prefill", f"engine._prefill of {rows} rows x {ecfg.max_prompt_len} tokens", prefill,
+      ("prefill", f"steps.prefill of {rows} rows x {ecfg.max_prompt_len} tokens", prefill,
        (tparams, dparams, i32(rows, ecfg.max_prompt_len), i32(rows), i32(rows), i32(rows), i32()),
        ()),
-      ("decode chunk", f"engine._decode_chunk ({arm.name}, {ecfg.chunk_steps} rounds) over "
+      ("decode chunk", f"steps.decode_chunk ({arm.name}, {ecfg.chunk_steps} rounds) over "
        f"{rows} slots of {ecfg.num_slots}", decode, (tparams, dparams, slots, i32()), (2,)),
   ]
   with ops.numerics_mode(c.numerics, c.numerics_backend):

@@ -62,6 +62,12 @@ class ModelConfig:
   def jnp_dtype(self):
     return jnp.dtype(self.dtype)
 
+  @property
+  def eos_ids(self) -> tuple[int, ...]:
+    """The end-of-sequence ids as a tuple (HF configs give one id, a list, or none)."""
+    eos = self.eos_token_id
+    return tuple(eos) if isinstance(eos, (tuple, list)) else ((eos,) if eos is not None else ())
+
 
 def validate_model_config(c: ModelConfig) -> None:
   problems = []

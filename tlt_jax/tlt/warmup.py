@@ -25,11 +25,12 @@ from tlt_jax import mesh as mesh_lib
 from tlt_jax.data import splits
 from tlt_jax.data.pipeline import prompt_dataset
 from tlt_jax.model.drafter import Drafter
-from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.tuner import OFF, Arm
 from tlt_jax.tlt.buffer import DrafterBuffer
 from tlt_jax.tlt.drafter_trainer import save_drafter
-from tlt_jax.tlt.scheduler import GroupedRollout, SpotTrainer
+from tlt_jax.rollout.groups import GroupedRollout
+from tlt_jax.tlt.spot import SpotTrainer
 
 
 def warmup(c, *, rollouts: int, steps: int, out: str, buffer_dir: str = "") -> dict:

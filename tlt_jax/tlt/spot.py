@@ -1,16 +1,10 @@
-"""Long-tail scheduler: data-parallel rollout groups on disjoint devices, and spot training of the
-drafter on the devices of groups that have finished.
+"""Spot training of the drafter on the devices of rollout groups that have finished
+(`rollout.groups.GroupedRollout` lends them while the other groups keep decoding).
 
-A rollout batch is cut into contiguous shares, one per group, decoded under the batch's own
-sample ids (so the tokens are exactly those of one engine decoding the whole batch). The host
-steps every group's `RolloutEngine.rollout` generator in turn; each call dispatches one decode
-chunk and returns without waiting, so the groups' chunks run concurrently on their devices.
-When a group has no live sequence left, its devices are idle until the barrier (the slowest
-group): they are lent to `SpotTrainer`, which moves the drafter's parameters and optimizer state
-there and dispatches one training step per round while the other groups keep decoding. At the
-barrier training stops between steps (at most the one step in flight is waited for); the state
-stays with the trainer (and in the run's checkpoints) and the new weights are published to the
-engines under a version number for the next rollout.
+`SpotTrainer` moves the drafter's parameters and optimizer state onto the lent devices and
+dispatches one training step per round. At the rollout's barrier training stops between steps;
+the state stays with the trainer (and in the run's checkpoints) and the new weights are
+published to the engines under a version number for the next rollout.
 
 The drafter trains on one group's devices at a time, replicated over them with the batch split
 across them: a fixed data-parallel degree, so its numerics do not depend on which group, or how
@@ -20,34 +14,20 @@ many, happened to finish first, and an interrupted run of steps equals an uninte
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tlt_jax import ops
+from tlt_jax.mesh import group_sharding
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import Transformer
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, Sample
-from tlt_jax.rollout.tuner import OFF
 from tlt_jax.tlt.buffer import DrafterBuffer, PackedBatch
 from tlt_jax.tlt.drafter_trainer import DrafterLossConfig
 from tlt_jax.tlt.packed_loss import eagle_loss_packed
-
-
-def group_sharding(devices: Sequence[jax.Device], batch: bool = False) -> NamedSharding:
-  """Everything replicated over a group's devices (or the leading axis split over them)."""
-  mesh = Mesh(np.array(list(devices)), ("data",))
-  return NamedSharding(mesh, P("data") if batch else P())
-
-
-# ---------------------------------------------------------------------------------------------
-# Spot training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,115 +169,3 @@ class SpotTrainer:
   def load_state(self, state: dict, *, steps_done: int, version: int) -> None:
     self.params, self.opt_state = state["params"], state["opt_state"]
     self.steps_done, self.version, self.devices = steps_done, version, None
-
-
-# ---------------------------------------------------------------------------------------------
-# Grouped rollout
-
-
-@dataclasses.dataclass
-class RolloutReport:
-  seconds: float
-  group_finish_s: list[float]     # when each group ran out of sequences
-  idle_device_s: float            # device-seconds between a group's finish and the barrier
-  drafter_steps: int              # drafter steps dispatched during this rollout
-  drafter_busy_devices: list[frozenset] = dataclasses.field(default_factory=list)
-  live_devices_at_step: list[frozenset] = dataclasses.field(default_factory=list)
-  drafter_metrics: dict = dataclasses.field(default_factory=dict)
-  accept_len: float = 1.0
-  sd_chunk_fraction: float = 0.0  # decode chunks the tuner ran speculatively
-  trace: list = dataclasses.field(default_factory=list)  # the first group's decode chunks
-
-
-class GroupedRollout:
-  """One `RolloutEngine` per device group; `generate` decodes a batch across all of them."""
-
-  def __init__(self, target: Transformer, cfg: EngineConfig,
-               device_groups: Sequence[Sequence[jax.Device]], drafter: Drafter | None = None,
-               detokenize: Callable | None = None, tensor_parallel: bool = False):
-    """tensor_parallel: each group's devices split the model (`engine.ProgramPool`) instead of
-    each holding all of it."""
-    flat = [d for g in device_groups for d in g]
-    if len(set(flat)) != len(flat) or not device_groups or any(len(g) == 0 for g in device_groups):
-      raise ValueError("device groups must be non-empty and disjoint")
-    self.device_groups = [tuple(g) for g in device_groups]
-    self.engines = [RolloutEngine(target, cfg, drafter, detokenize=detokenize,
-                                  placement=group_sharding(g), tensor_parallel=tensor_parallel)
-                    for g in self.device_groups]
-    self.drafter_version = 0
-    self.last_report: RolloutReport | None = None
-
-  def warm_up(self) -> int:
-    return sum(e.pool.warm_up() for e in self.engines)
-
-  def update_policy(self, target: Transformer) -> None:
-    for e in self.engines:
-      e.update_policy(target)
-
-  def update_drafter(self, drafter: Drafter, version: int) -> None:
-    for e in self.engines:
-      e.update_drafter(drafter)
-    self.drafter_version = version
-
-  def generate(self, prompts: list[list[int]], *, group_size: int = 1, seed: int | None = None,
-               on_finish: Callable[[Sample], None] | None = None,
-               spot: SpotTrainer | None = None, min_live_share: float = 0.0,
-               **kw) -> list[Sample]:
-    """Decodes the batch across the groups (see the module docstring); the report of the
-    rollout is `self.last_report`. With `spot`, drafter steps run on the devices of finished
-    groups, or also of groups whose live sequences fell under `min_live_share` of their share
-    (single-group machines: the tail's spare compute)."""
-    G = len(self.engines)
-    shares = np.array_split(np.arange(len(prompts)), G)
-    budgets = kw.pop("max_new_per_sample", None)  # per sample of the batch: cut per group
-    runs = {}
-    for g, idx in enumerate(shares):
-      if len(idx):
-        first = int(idx[0]) * group_size
-        share_budgets = (None if budgets is None else
-                         list(budgets[first:first + len(idx) * group_size]))
-        runs[g] = self.engines[g].rollout([prompts[i] for i in idx], group_size=group_size,
-                                          seed=seed, on_finish=on_finish, first_sample_id=first,
-                                          max_new_per_sample=share_budgets, **kw)
-    trace_from = [len(e.trace) for e in self.engines]
-    results: list[Sample] = []
-    finish_s = [0.0] * G
-    report = RolloutReport(0.0, finish_s, 0.0, 0)
-    lent = None
-    start = time.perf_counter()
-    max_steps = spot.cfg.max_steps_per_rollout if spot is not None else 0
-    share = {g: len(idx) * group_size for g, idx in enumerate(shares)}
-    live_share = {g: 1.0 for g in runs}
-    while runs:
-      for g in list(runs):
-        try:
-          _, live = next(runs[g])
-          live_share[g] = live / share[g]
-        except StopIteration as done:
-          results += done.value
-          finish_s[g] = time.perf_counter() - start
-          del runs[g]
-      if spot is not None and spot.has_data and runs and (not max_steps or
-                                                           report.drafter_steps < max_steps):
-        idle = [g for g in range(G) if g not in runs or live_share[g] < min_live_share]
-        if idle and not spot.in_flight():
-          if lent is None:  # the first group to finish hosts the drafter until the barrier
-            lent = idle[0]
-            spot.lend(self.device_groups[lent])
-          spot.step()
-          report.drafter_steps += 1
-          report.drafter_busy_devices.append(spot.step_devices[-1])
-          report.live_devices_at_step.append(
-              frozenset(d for g in runs for d in self.device_groups[g]))
-    report.seconds = time.perf_counter() - start
-    if spot is not None and report.drafter_steps:
-      report.drafter_metrics = spot.wait()  # the barrier: at most the step in flight
-    report.idle_device_s = sum((report.seconds - finish_s[g]) * len(self.device_groups[g])
-                               for g in range(G))
-    chunks = [t for e, i in zip(self.engines, trace_from) for t in e.trace[i:]]
-    report.accept_len = (sum(t.emitted for t in chunks) /
-                         max(sum(t.live * t.rounds for t in chunks), 1))
-    report.sd_chunk_fraction = sum(t.arm != OFF for t in chunks) / max(len(chunks), 1)
-    report.trace = [t for t in self.engines[0].trace[trace_from[0]:]]
-    self.last_report = report
-    return sorted(results, key=lambda s: s.sample_id)
