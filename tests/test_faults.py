@@ -26,6 +26,7 @@ def _workdir_with_checkpoint(tmp_path, c):
   """A workdir as a run of `c` leaves it: its config.json and a committed step directory."""
   workdir = tmp_path / "run"
   os.makedirs(workdir / "checkpoints" / "1")
+  c.workdir = str(workdir)
   with open(workdir / "config.json", "w") as f:
     f.write(c.to_json_best_effort(indent=2))
   return str(workdir)
@@ -37,12 +38,12 @@ def _smoke():
 
 def test_resume_with_a_changed_key_names_it(tmp_path):
   c = _smoke()
-  c.workdir = _workdir_with_checkpoint(tmp_path, c)
+  _workdir_with_checkpoint(tmp_path, c)
   c.rl.lr = c.rl.lr * 2
   with pytest.raises(ValueError, match=r"^rl\.lr=.*was run with rl\.lr=.*use a new workdir$"):
     run_state.check_workdir(c)
   c = _smoke()
-  c.workdir = _workdir_with_checkpoint(tmp_path / "b", c)
+  _workdir_with_checkpoint(tmp_path / "b", c)
   c.rl.algorithm = "dapo"
   with pytest.raises(ValueError, match=r"^rl\.algorithm='dapo': "):
     run_state.check_workdir(c)
@@ -50,7 +51,7 @@ def test_resume_with_a_changed_key_names_it(tmp_path):
 
 def test_resume_may_change_steps_and_eval_and_it_is_recorded(tmp_path):
   c = _smoke()
-  c.workdir = _workdir_with_checkpoint(tmp_path, c)
+  _workdir_with_checkpoint(tmp_path, c)
   steps, every = c.rl.steps, c.eval.every
   c.rl.steps, c.eval.every = steps + 4, every + 1
   run_state.check_workdir(c)  # no error
@@ -62,7 +63,7 @@ def test_resume_may_change_steps_and_eval_and_it_is_recorded(tmp_path):
 
 def test_resume_false_on_a_workdir_with_checkpoints_fails_before_anything_runs(tmp_path):
   c = _smoke()
-  c.workdir = _workdir_with_checkpoint(tmp_path, c)
+  _workdir_with_checkpoint(tmp_path, c)
   c.checkpoint.resume = False
   with pytest.raises(ValueError, match=r"^checkpoint\.resume=False but .*checkpoints holds "
                                        r"steps \[1\]"):
