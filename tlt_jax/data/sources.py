@@ -11,6 +11,8 @@ import dataclasses
 import json
 import os
 
+from tlt_jax.rl.rewards import reference_answer
+
 
 class DataError(ValueError):
   pass
@@ -35,7 +37,9 @@ def _row(record, prompt_field: str, answer_field: str, where: str) -> dict:
     answer = str(answer)
   if not isinstance(answer, str):
     raise DataError(f"{where}: field {answer_field!r} must be text or a number")
-  return {"prompt": prompt, "answer": answer, "source": where}
+  # "answer" is what the reward compares with; the raw reference stays for reports and evals.
+  return {"prompt": prompt, "answer": reference_answer(answer), "answer_raw": answer,
+          "source": where}
 
 
 def read_rows(path: str, *, prompt_field: str = "question", answer_field: str = "answer",

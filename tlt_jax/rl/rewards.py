@@ -32,6 +32,19 @@ def last_boxed(text: str) -> str | None:
   return text[start:i - 1] if depth == 0 else None
 
 
+def reference_answer(reference: str) -> str:
+  """The final answer inside a reference as datasets ship it: GSM8K's worked solution ending in
+  "#### 72" -> "72", a MATH solution -> its last \\boxed{}, a plain answer field -> itself.
+  Applied once at load time (tlt_jax/data/sources.py keeps the raw text beside it)."""
+  gsm8k = re.findall(r"####\s*([^\n]+)", reference)
+  if gsm8k:
+    return gsm8k[-1].strip()
+  boxed = last_boxed(reference)
+  if boxed is not None:
+    return boxed.strip()
+  return reference.strip()
+
+
 def extract_answer(text: str) -> str | None:
   boxed = last_boxed(text)
   if boxed is not None:
