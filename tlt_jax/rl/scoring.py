@@ -16,23 +16,55 @@ import dataclasses
 import multiprocessing
 import time
 
-from tlt_jax.rl.rewards import format_reward, math_reward
+import numpy as np
+
+from tlt_jax.rl.code_reward import CodeSpec, code_reward
+from tlt_jax.rl.equivalence import PATHS, grade
+from tlt_jax.rl.rewards import format_reward
 
 WORKER_KINDS = ("thread", "process", "inline")
+REWARD_KINDS = ("math", "code")
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
   correct_weight: float = 1.0
   format_weight: float = 0.0
+  code: CodeSpec = CodeSpec()
 
 
-def score(completion: str, reference: str, spec: RewardSpec) -> dict[str, float]:
-  """Reward parts and their weighted total for one completion (module level: picklable)."""
-  correct = math_reward(completion, reference)
-  fmt = format_reward(completion) if spec.format_weight else 0.0
+def score(completion: str, reference, spec: RewardSpec) -> dict:
+  """Reward parts and their weighted total for one completion (module level: picklable).
+  `reference`: the reference answer (math), or the dataset row (tlt_jax/data/sources.py), whose
+  `reward` field picks math (its `answer`) or code (its `tests`)."""
+  row = reference if isinstance(reference, dict) else {"reward": "math", "answer": reference}
+  kind = row.get("reward", "math")
+  if kind == "code":
+    correct, path = code_reward(completion, row["tests"], spec.code), "code"
+    fmt = 0.0
+  elif kind == "math":
+    ok, path = grade(completion, row["answer"])
+    correct = float(ok)
+    fmt = format_reward(completion) if spec.format_weight else 0.0
+  else:
+    raise ValueError(f"row reward kind {kind!r} is not one of {REWARD_KINDS}")
   return {"reward": spec.correct_weight * correct + spec.format_weight * fmt,
-          "correct": correct, "format": fmt}
+          "correct": correct, "format": fmt, "kind": kind, "path": path}
+
+
+def reward_metrics(scores: dict[int, dict]) -> dict[str, float]:
+  """Per-kind reward and correct means and how many math samples each grader path decided, for
+  the step record (`record.update(reward_metrics(scores))`)."""
+  out = {}
+  for kind in REWARD_KINDS:
+    parts = [s for s in scores.values() if s.get("kind", "math") == kind]
+    if parts:
+      out[f"reward_mean_{kind}"] = float(np.mean([s["reward"] for s in parts]))
+      out[f"correct_mean_{kind}"] = float(np.mean([s["correct"] for s in parts]))
+      out[f"samples_{kind}"] = len(parts)
+  for path in PATHS:
+    out[f"math_decided_{path}"] = sum(s.get("path") == path for s in scores.values())
+  return out
 
 
 class RewardScorer:
@@ -49,11 +81,15 @@ class RewardScorer:
     else:
       self._pool = None
     self._pending: dict[int, cf.Future | dict] = {}
+    self._kinds: dict[int, str] = {}
     self.timeouts = 0
 
-  def submit(self, sample_id: int, completion: str, reference: str) -> None:
+  def submit(self, sample_id: int, completion: str, reference) -> None:
+    """`reference`: the reference answer (math) or the dataset row (math or code, its choice)."""
     if sample_id in self._pending:
       raise ValueError(f"sample {sample_id} was submitted twice")
+    self._kinds[sample_id] = (reference.get("reward", "math") if isinstance(reference, dict)
+                              else "math")
     if self._pool is None:
       self._pending[sample_id] = score(completion, reference, self.spec)
     else:
@@ -72,8 +108,9 @@ class RewardScorer:
       except cf.TimeoutError:
         self.timeouts += 1
         fut.cancel()
-        out[sid] = {"reward": 0.0, "correct": 0.0, "format": 0.0}
-    self._pending = {}
+        out[sid] = {"reward": 0.0, "correct": 0.0, "format": 0.0, "kind": self._kinds[sid],
+                    "path": "timeout"}
+    self._pending, self._kinds = {}, {}
     return out, time.perf_counter() - start
 
   def close(self) -> None:

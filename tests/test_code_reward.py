@@ -1,0 +1,140 @@
+"""Code rewards: fenced-code extraction, stdin/stdout and assert tests, partial credit, and
+malicious programs (each one must score 0 and leave the run, the machine and the project alone)."""
+
+import json
+import os
+import time
+
+import pytest
+
+from tlt_jax.rl import sandbox
+from tlt_jax.rl.code_reward import CodeSpec, code_reward, extract_code, parse_tests
+from tlt_jax.rl.scoring import RewardScorer, RewardSpec, reward_metrics
+
+SUM_TESTS = {"inputs": ["1 2\n", "3 4\n", "10 -5\n"], "outputs": ["3\n", "7\n", "5\n"]}
+EVEN_ASSERTS = ["assert is_even(2)", "assert not is_even(3)", "assert is_even(0)"]
+
+
+def fenced(code: str, lang: str = "python") -> str:
+  return f"Here is my solution.\n```{lang}\n{code}\n```\nIt reads the input and prints the sum."
+
+
+CORRECT = fenced("a, b = map(int, input().split())\nprint(a + b)")
+FAST = CodeSpec(limits=sandbox.Limits(wall_s=5, cpu_s=2, memory_mb=512))
+
+
+def test_extract_the_last_python_block():
+  text = "```python\nprint(1)\n```\nbetter:\n```py\nprint(2)\n```\n```text\nnot code\n```"
+  assert extract_code(text) == "print(2)\n"
+  assert extract_code("```\nx = 1\n```") == "x = 1\n"
+  assert extract_code("no code at all") is None
+  assert extract_code("```python\nprint(1)") is None  # cut off by the length limit
+
+
+def test_test_formats_as_datasets_ship_them():
+  io = parse_tests(json.dumps(SUM_TESTS))
+  assert io[0] == ("io", "1 2\n", "3\n") and len(io) == 3
+  nested = parse_tests({"input_output": json.dumps({"inputs": [["1", "2"]], "outputs": [["3"]]})})
+  assert nested == [("io", "1\n2", "3")]
+  assert parse_tests("assert f(1) == 2\nassert f(2) == 3") == [
+      ("assert", "assert f(1) == 2"), ("assert", "assert f(2) == 3")]
+  assert parse_tests({"asserts": EVEN_ASSERTS})[1] == ("assert", "assert not is_even(3)")
+  with pytest.raises(ValueError, match="call-based"):
+    parse_tests({"inputs": [[1]], "outputs": [[2]], "fn_name": "f"})
+
+
+def test_correct_wrong_and_partial_solutions():
+  assert code_reward(CORRECT, SUM_TESTS, FAST) == 1.0
+  assert code_reward(fenced("a, b = map(int, input().split())\nprint(a - b)"), SUM_TESTS, FAST) == 0.0
+  positive_only = fenced("a, b = map(int, input().split())\nprint(abs(a) + abs(b))")  # 2 of 3
+  assert code_reward(positive_only, SUM_TESTS, FAST) == 0.0
+  fraction = CodeSpec(partial="fraction", limits=FAST.limits)
+  assert code_reward(positive_only, SUM_TESTS, fraction) == pytest.approx(2 / 3)
+  assert code_reward("I would add the numbers.", SUM_TESTS, FAST) == 0.0
+  even = fenced("def is_even(n):\n  return n % 2 == 0")
+  assert code_reward(even, EVEN_ASSERTS, FAST) == 1.0
+  assert code_reward(fenced("def is_even(n):\n  return n > 1"), EVEN_ASSERTS, fraction) == pytest.approx(1 / 3)
+  # Exiting early skips the asserts: that is a failure, not a pass.
+  assert code_reward(fenced("import sys\ndef is_even(n):\n  return 0\nsys.exit(0)"), EVEN_ASSERTS,
+                     FAST) == 0.0
+
+
+def _unharmed(started: float, budget_s: float):
+  """The run goes on: a correct answer still scores 1 and the attack cost at most its budget."""
+  assert time.perf_counter() - started < budget_s
+  assert code_reward(CORRECT, SUM_TESTS, FAST) == 1.0
+
+
+def test_fork_bomb():
+  t0 = time.perf_counter()
+  bomb = fenced("import os\nwhile True:\n  os.fork()")
+  assert code_reward(bomb, SUM_TESTS, FAST) == 0.0
+  via_subprocess = fenced("import subprocess, sys\nwhile True:\n"
+                          "  subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])")
+  assert code_reward(via_subprocess, SUM_TESTS, FAST) == 0.0
+  _unharmed(t0, 20)
+
+
+def test_infinite_loop_is_killed_at_the_wall_timeout():
+  t0 = time.perf_counter()
+  for code in ("while True:\n  pass", "import time\ntime.sleep(600)"):
+    assert code_reward(fenced(code), SUM_TESTS, FAST) == 0.0
+  _unharmed(t0, 3 * FAST.limits.wall_s)
+
+
+def test_huge_allocation_fails_inside_the_sandbox():
+  t0 = time.perf_counter()
+  hog = fenced("x = bytearray(8 << 30)\nprint(3)")
+  assert code_reward(hog, SUM_TESTS, FAST) == 0.0
+  grow = fenced("chunks = []\nwhile True:\n  chunks.append(bytearray(64 << 20))")
+  assert code_reward(grow, SUM_TESTS, FAST) == 0.0
+  _unharmed(t0, 20)
+
+
+def test_writing_outside_its_directory(tmp_path):
+  target = tmp_path / "escaped.txt"
+  big = fenced("with open('big.bin', 'wb') as f:\n  f.write(b'x' * (64 << 20))\nprint(3)")
+  writer = fenced(f"open({str(target)!r}, 'w').write('pwned')\n"
+                  "a, b = map(int, input().split())\nprint(a + b)")
+  t0 = time.perf_counter()
+  reward = code_reward(writer, SUM_TESTS, FAST)
+  assert not target.exists()
+  if sandbox.isolation() == "namespaces":
+    assert reward == 0.0  # the filesystem outside its directory is read-only
+  assert code_reward(big, SUM_TESTS, FAST) == 0.0  # past the file-size limit
+  _unharmed(t0, 20)
+
+
+def test_reading_the_projects_files():
+  if sandbox.isolation() != "namespaces":
+    pytest.skip("without namespaces the sandbox cannot hide files our user can read")
+  config = os.path.join(sandbox.PROJECT_ROOT, "tlt_jax", "config.py")
+  assert os.path.exists(config)
+  # Prints the right sum only if it could read the project's config file.
+  reader = fenced(f"text = open({config!r}).read()\n"
+                  "a, b = map(int, input().split())\nprint(a + b if 'def validate' in text else 0)")
+  assert code_reward(reader, SUM_TESTS, FAST) == 0.0
+  lister = fenced(f"import os\nprint(sum(map(int, input().split())) if os.listdir("
+                  f"{sandbox.PROJECT_ROOT!r}) else -1)")
+  assert code_reward(lister, SUM_TESTS, FAST) == 0.0
+  no_network = fenced("import _socket\ns = _socket.socket()\ns.connect(('127.0.0.1', 9))\nprint(3)")
+  assert code_reward(no_network, SUM_TESTS, FAST) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["thread", "inline"])
+def test_mixed_rows_through_the_scorer(kind):
+  math_row = {"reward": "math", "answer": "12", "prompt": "?"}
+  code_row = {"reward": "code", "tests": SUM_TESTS, "prompt": "?"}
+  spec = RewardSpec(code=FAST)
+  with RewardScorer(spec, workers=2, kind=kind) as scorer:
+    scorer.submit(0, "so \\boxed{12}", math_row)
+    scorer.submit(1, "\\boxed{13}", math_row)
+    scorer.submit(2, CORRECT, code_row)
+    scorer.submit(3, "no code", code_row)
+    scorer.submit(4, "#### 12", "12")  # a plain reference is math
+    results, _ = scorer.results()
+  assert [results[i]["reward"] for i in range(5)] == [1.0, 0.0, 1.0, 0.0, 1.0]
+  metrics = reward_metrics(results)
+  assert metrics["reward_mean_math"] == pytest.approx(2 / 3)
+  assert metrics["reward_mean_code"] == 0.5 and metrics["samples_code"] == 2
+  assert metrics["math_decided_fast"] == 3
