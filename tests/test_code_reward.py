@@ -138,3 +138,51 @@ def test_mixed_rows_through_the_scorer(kind):
   assert metrics["reward_mean_math"] == pytest.approx(2 / 3)
   assert metrics["reward_mean_code"] == 0.5 and metrics["samples_code"] == 2
   assert metrics["math_decided_fast"] == 3
+
+
+# --- mixed datasets (experiments/assets/rewards/) ---------------------------------------------
+ASSETS = os.path.join(os.path.dirname(__file__), "..", "experiments", "assets", "rewards")
+# Reference completions for the sample rows, in order (what a correct model would write).
+MIXED_SOLUTIONS = [
+    "48 / 2 = 24 in May, 48 + 24 = 72.\n#### 72",
+    "$\\sqrt{36 \\cdot 4} = \\sqrt{144}$, so the answer is $\\boxed{12}$.",
+    "It factors as $(x-3)(x+2)$: $\\boxed{\\{3, -2\\}}$",
+    fenced("a, b = map(int, input().split())\nprint(a + b)"),
+    fenced("def is_even(n):\n  return n % 2 == 0"),
+    fenced("input()\nprint(max(map(int, input().split())))"),
+]
+
+
+def test_mixed_sample_rows_pick_their_reward_and_score_per_kind():
+  from tlt_jax.data.sources import read_rows  # noqa: PLC0415
+  rows = read_rows(os.path.join(ASSETS, "mixed_sample.jsonl")).rows
+  assert [r["reward"] for r in rows] == ["math"] * 3 + ["code"] * 3
+  assert [r["answer"] for r in rows[:3]] == ["72", "12", "\\{-2, 3\\}"]
+  spec = RewardSpec(code=FAST)
+  with RewardScorer(spec, workers=2, kind="thread") as scorer:
+    for i, (row, completion) in enumerate(zip(rows, MIXED_SOLUTIONS)):
+      scorer.submit(2 * i, completion, row)
+      scorer.submit(2 * i + 1, "I am not sure. \\boxed{7}\n```python\nprint(7)\n```", row)
+    results, _ = scorer.results()
+  assert [results[2 * i]["reward"] for i in range(6)] == [1.0] * 6
+  assert [results[2 * i + 1]["reward"] for i in range(6)] == [0.0] * 6
+  metrics = reward_metrics(results)
+  assert metrics["reward_mean_math"] == metrics["reward_mean_code"] == 0.5
+  assert metrics["samples_math"] == metrics["samples_code"] == 6
+
+
+def test_eurus_layout_and_a_configurable_reward_field(tmp_path):
+  from tlt_jax.data.sources import DataError, read_rows  # noqa: PLC0415
+  math_row, code_row = read_rows(os.path.join(ASSETS, "eurus_sample.jsonl"), layout="eurus").rows
+  assert math_row["reward"] == "math" and math_row["answer"] == "\\frac{7}{8}"
+  assert math_row["prompt"].startswith("Compute")  # the user turn, not the system prompt
+  assert code_row["reward"] == "code"
+  assert code_reward(fenced("print(input()[::-1])"), code_row["tests"], FAST) == 1.0
+  path = tmp_path / "kinds.jsonl"
+  path.write_text(json.dumps({"q": "1+1", "kind": "code", "io": SUM_TESTS}) + "\n"
+                  + json.dumps({"q": "2+2", "kind": "algebra", "a": "4"}) + "\n")
+  with pytest.raises(DataError, match=r"kinds.jsonl:2: field 'kind' is 'algebra'"):
+    read_rows(str(path), prompt_field="q", answer_field="a", reward_field="kind", tests_field="io")
+  path.write_text(json.dumps({"q": "1+1", "kind": "code", "io": "not tests"}) + "\n")
+  with pytest.raises(DataError, match=r"kinds.jsonl:1: field 'io'"):
+    read_rows(str(path), prompt_field="q", reward_field="kind", tests_field="io")

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from tlt_jax.rl.rewards import math_reward
+from tlt_jax.rl.scoring import RewardSpec, score
 
 
 def evaluate(engine, formatter, tokenizer, rows: list[dict], *, samples: int = 1, seed: int = 0,
@@ -53,7 +53,7 @@ def evaluate(engine, formatter, tokenizer, rows: list[dict], *, samples: int = 1
   for s in outputs:
     i, k = divmod(s.sample_id, samples)
     text = tokenizer.decode(s.tokens.tolist(), skip_special_tokens=True)
-    correct_PxK[i, k] = math_reward(text, rows[i]["answer"])
+    correct_PxK[i, k] = score(text, rows[i], RewardSpec())["correct"]  # math or code row
     lengths_PxK[i, k] = len(s.tokens)
     texts[i, k] = text
   report = {"problems": len(rows), "samples": samples, **_scores(correct_PxK),
@@ -158,6 +158,7 @@ def run_eval(c, *, checkpoint: str = "", step: int | None = None, samples: int |
   (when given) and returns it."""
   from tlt_jax import config as config_lib  # noqa: PLC0415
   from tlt_jax import determinism, ops, train  # noqa: PLC0415
+  from tlt_jax.data.stop_strings import engine_detokenize  # noqa: PLC0415
 
   config_lib.validate(c)
   # before JAX creates its backends
@@ -167,7 +168,8 @@ def run_eval(c, *, checkpoint: str = "", step: int | None = None, samples: int |
     t0 = time.perf_counter()
     model, tokenizer, formatter, eos_ids, loaded = load_checkpoint(c, checkpoint, step)
     _, rows, data_report = train.load_rows(c)
-    engine = train.build_rollout(c, model, eos_ids)
+    engine = train.build_rollout(c, model, eos_ids,
+                                 detokenize=engine_detokenize(c, tokenizer, formatter, eos_ids))
     report = evaluate(engine, formatter, tokenizer, rows, samples=samples,
                       seed=train.derived_seed(c.seed, train.PURPOSE_EVAL, 0),
                       difficulty_key=train.eval_group_key(c), progress=c.metrics.progress,

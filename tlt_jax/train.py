@@ -55,7 +55,8 @@ def load_rows(c) -> tuple[list[dict], list[dict], dict]:
   else:
     def read(path):
       return sources.read_rows(path, prompt_field=d.prompt_field, answer_field=d.answer_field,
-                               on_error=d.on_error)
+                               on_error=d.on_error, reward_field=d.reward_field,
+                               tests_field=d.tests_field, layout=d.layout)
 
     train_report = read(d.train_path) if d.train_path else sources.ReadReport([], [])
     train, skipped = train_report.rows, list(train_report.skipped)
@@ -127,7 +128,8 @@ def engine_config(c, eos_ids, arms):
       buckets=tuple(r.buckets), max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
       chunk_steps=r.chunk_steps, eos_ids=eos_ids, verification=r.verification,
       sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
-      compaction=r.compaction, seed=c.seed, arms=arms, drafter_numerics=c.tlt.drafter_numerics)
+      compaction=r.compaction, seed=c.seed, arms=arms, drafter_numerics=c.tlt.drafter_numerics,
+      stop_strings=tuple(r.stop_strings))
 
 
 def spot_config(c, *, online: bool = True):
@@ -160,7 +162,7 @@ def train_mesh(c):
     raise ValueError(f"config.mesh ({where}): {e}") from None
 
 
-def build_rollout(c, model, eos_ids, drafter=None):
+def build_rollout(c, model, eos_ids, drafter=None, detokenize=None):
   """The rollout engines of the config: `rollout.groups` data-parallel groups over the local
   devices, with the tuner's SD arms when TLT is on (plain decode otherwise)."""
   from tlt_jax import mesh as mesh_lib  # noqa: PLC0415
@@ -178,7 +180,7 @@ def build_rollout(c, model, eos_ids, drafter=None):
     raise ValueError(f"tlt.fixed_arm={c.tlt.fixed_arm!r} is not one of tlt.arms={c.tlt.arms!r}")
   groups = [list(g) for g in np.array_split(np.array(devices, dtype=object), c.rollout.groups)]
   return GroupedRollout(model, engine_config(c, eos_ids, arms), groups, drafter,
-                        tensor_parallel=c.rollout.tensor_parallel)
+                        tensor_parallel=c.rollout.tensor_parallel, detokenize=detokenize)
 
 
 def run(c, name: str = "run") -> dict:
@@ -207,7 +209,8 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   from tlt_jax.evaluate import evaluate  # noqa: PLC0415
   from tlt_jax.model import lora  # noqa: PLC0415
   from tlt_jax.rl import algorithms  # noqa: PLC0415
-  from tlt_jax.rl.scoring import RewardScorer, RewardSpec  # noqa: PLC0415
+  from tlt_jax.data.stop_strings import engine_detokenize  # noqa: PLC0415
+  from tlt_jax.rl.scoring import RewardScorer, RewardSpec, reward_metrics  # noqa: PLC0415
   from tlt_jax.rl.trainer import TrainConfig, Trainer, make_batch  # noqa: PLC0415
   from tlt_jax.model.drafter import Drafter  # noqa: PLC0415
   from tlt_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
@@ -252,7 +255,8 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   if t.enabled:
     drafter = (load_drafter(t.drafter_init, model.cfg) if t.drafter_init
                else Drafter(model.cfg, nnx.Rngs(c.seed + 1)))
-  engine = build_rollout(c, model, eos_ids, drafter)
+  engine = build_rollout(c, model, eos_ids, drafter,
+                         detokenize=engine_detokenize(c, tokenizer, formatter, eos_ids))
   # tlt.fixed_arm: the tuner is off, every chunk decodes with that arm.
   forced_arm = {"arm": t.fixed_arm} if t.enabled and t.fixed_arm else {}
   buffer = DrafterBuffer(t.window_steps) if t.enabled else None
@@ -330,7 +334,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
   writer = (metrics_lib.MetricsWriter(workdir, tensorboard=c.metrics.tensorboard) if primary
             else metrics_lib.MetricsWriter(os.path.join(workdir, f"process_{pid}"),
                                            tensorboard=False))
-  scorer = RewardScorer(RewardSpec(rl.correct_weight, rl.format_weight),
+  scorer = RewardScorer(RewardSpec.from_config(rl),
                         workers=rl.reward_workers, kind=rl.reward_worker_kind)
   if latest is None:
     writer.write(0, {"eval_accuracy": eval_before["accuracy"]})
@@ -358,7 +362,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
 
     def score_when_done(sample, rows=rows, inner=inner):
       text = tokenizer.decode(sample.tokens.tolist(), skip_special_tokens=True)
-      scorer.submit(sample.sample_id, text, rows[sample.sample_id // G]["answer"])
+      scorer.submit(sample.sample_id, text, rows[sample.sample_id // G])  # math or code row
       inner.update(1)
 
     if spot is not None:
@@ -439,7 +443,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
         "rollout_s": rollout_s, "reward_wait_s": reward_wait_s, "train_s": train_s,
         "rollout_tokens_per_s": float(sum(len(s.tokens) for s in samples) / rollout_s),
         "accept_len": report.accept_len, "sd_chunk_fraction": report.sd_chunk_fraction,
-        **tlt_record, **stats}
+        **reward_metrics(scores), **tlt_record, **stats}
     last_trace = report.trace
     if c.eval.every and (step + 1) % c.eval.every == 0 and step + 1 < rl.steps:
       t0 = time.perf_counter()

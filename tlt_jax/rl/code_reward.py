@@ -45,6 +45,8 @@ def parse_tests(tests) -> list[tuple[str, str]]:
       tests = json.loads(stripped)
     else:
       tests = [line for line in stripped.splitlines() if line.strip()]
+      if not any(line.lstrip().startswith("assert") for line in tests):
+        raise ValueError(f"neither JSON tests nor assert lines: {stripped[:80]!r}")
   if isinstance(tests, dict) and "input_output" in tests:
     return parse_tests(tests["input_output"])
   if isinstance(tests, dict) and "inputs" in tests:

@@ -6,7 +6,11 @@ being scored when the rollout ends (`wait_s`, usually ~0). Workers:
             but they run while the host waits on the device, which is the point;
   "process" for heavy verifiers (sympy on MATH-style answers): a spawned pool (forking a process
             that runs JAX is unsafe), with a per-sample timeout that scores 0 instead of hanging;
+            math-verify uses its own signal timeouts there (each worker's main thread), while a
+            thread worker hands it to a killable helper process (tlt_jax/rl/equivalence.py);
   "inline"  scores in the caller (debugging, exact tracebacks).
+A row's `reward` field picks math (tlt_jax/rl/equivalence.py) or code (tlt_jax/rl/code_reward.py:
+each test a sandboxed subprocess, so code scoring overlaps decoding in any worker kind).
 """
 
 from __future__ import annotations
@@ -31,6 +35,15 @@ class RewardSpec:
   correct_weight: float = 1.0
   format_weight: float = 0.0
   code: CodeSpec = CodeSpec()
+
+  @classmethod
+  def from_config(cls, rl) -> "RewardSpec":
+    """From the config's `rl` section."""
+    from tlt_jax.rl.sandbox import Limits  # noqa: PLC0415
+    return cls(rl.correct_weight, rl.format_weight,
+               CodeSpec(partial=rl.code_partial, max_tests=rl.code_max_tests,
+                        limits=Limits(wall_s=rl.code_timeout_s,
+                                      cpu_s=max(1, int(rl.code_timeout_s)))))
 
 
 def score(completion: str, reference, spec: RewardSpec) -> dict:
