@@ -8,9 +8,11 @@ by a careful human reading) graded three ways: `ours` (tlt_jax.rl.rewards.math_r
 parsed as the open recipes do), `combined` (tlt_jax.rl.equivalence.grade: our exact fast path,
 then math-verify). Right = the grader agrees with the label. Each grader scores every case once in
 this process's main thread (math-verify's own timeouts), after one warm-up call.
-Code: the code rows of experiments/assets/rewards/mixed_sample.jsonl with a correct, a wrong and
-a timing-out solution each, scored by RewardScorer with 2 process... thread workers (each sample is
-its own sandboxed subprocess).
+Code: the 3 code rows of experiments/assets/rewards/mixed_sample.jsonl (2-3 tests each), each
+with a correct and a wrong solution, repeated to 48 samples, scored by RewardScorer with 2 thread
+workers (every test of every sample is its own sandboxed process; "all" partial mode, so a wrong
+solution stops at its first failed test). Samples/s is wall time from the first submit to all
+results.
 Prints one JSON object and writes experiments/results/rewards.json.
 """
 
@@ -23,8 +25,10 @@ import os
 import platform
 import time
 
-from tlt_jax.rl import equivalence
+from tlt_jax.data.sources import read_rows
+from tlt_jax.rl import equivalence, sandbox
 from tlt_jax.rl.rewards import math_reward
+from tlt_jax.rl.scoring import RewardScorer, RewardSpec
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets", "rewards")
 
@@ -53,14 +57,50 @@ def bench_math(cases: list[dict]) -> dict:
                  "samples_per_s": round(len(cases) / seconds, 1),
                  "wrong": [f"{c['category']}: {c['completion'][-60:]!r} vs {c['reference']!r}"
                            f" (truth {c['correct']})" for c in wrong]}
+  # GSM8K-style throughput: integer answers, the fast path alone decides them.
+  gsm = [(f"She has {i} + {i} = {2 * i} apples.\n#### {2 * i + i % 2}", str(2 * i)) for i in range(2000)]
+  t0 = time.perf_counter()
+  verdicts = [equivalence.grade(c, r) for c, r in gsm]
+  out["combined_gsm8k_style"] = {
+      "samples": len(gsm), "samples_per_s": round(len(gsm) / (time.perf_counter() - t0), 1),
+      "all_fast": all(p == "fast" for _, p in verdicts),
+      "right": sum(ok == (i % 2 == 0) for i, (ok, _) in enumerate(verdicts))}
   paths = collections.Counter(equivalence.grade(c["completion"], c["reference"])[1] for c in cases)
   out["combined"]["decided_by"] = dict(paths)
   return out
 
 
+CODE_SOLUTIONS = [  # (correct, wrong) for the code rows of mixed_sample.jsonl, in order
+    ("a, b = map(int, input().split())\nprint(a + b)", "a, b = map(int, input().split())\nprint(a * b)"),
+    ("def is_even(n):\n  return n % 2 == 0", "def is_even(n):\n  return n % 2"),
+    ("input()\nprint(max(map(int, input().split())))", "input()\nprint(min(map(int, input().split())))"),
+]
+
+
+def bench_code(samples: int = 48, workers: int = 2) -> dict:
+  rows = [r for r in read_rows(os.path.join(ASSETS, "mixed_sample.jsonl")).rows
+          if r["reward"] == "code"]
+  jobs = []
+  for i in range(samples):
+    row, (good, bad) = rows[i % len(rows)], CODE_SOLUTIONS[i % len(rows)]
+    jobs.append((row, f"```python\n{good if (i // len(rows)) % 2 == 0 else bad}\n```",
+                 (i // len(rows)) % 2 == 0))
+  with RewardScorer(RewardSpec(), workers=workers, kind="thread") as scorer:
+    t0 = time.perf_counter()
+    for i, (row, completion, _) in enumerate(jobs):
+      scorer.submit(i, completion, row)
+    results, _ = scorer.results()
+    seconds = time.perf_counter() - t0
+  right = sum((results[i]["reward"] == 1.0) == ok for i, (_, _, ok) in enumerate(jobs))
+  return {"samples": samples, "workers": workers, "isolation": sandbox.isolation(),
+          "right": right, "seconds": round(seconds, 2),
+          "samples_per_s": round(samples / seconds, 1)}
+
+
 def main() -> None:
   logging.disable(logging.WARNING)  # math-verify logs every unparsable answer
-  result = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "math": bench_math(load_cases())}
+  result = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "math": bench_math(load_cases()),
+            "code": bench_code()}
   os.makedirs("experiments/results", exist_ok=True)
   with open("experiments/results/rewards.json", "w") as f:
     json.dump(result, f, indent=1)
