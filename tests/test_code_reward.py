@@ -72,6 +72,13 @@ def test_fork_bomb():
   via_subprocess = fenced("import subprocess, sys\nwhile True:\n"
                           "  subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])")
   assert code_reward(via_subprocess, SUM_TESTS, FAST) == 0.0
+  # Native code cannot fork either (the seccomp filter); one fork at most, so this test is safe
+  # even where the filter is missing. Threads still work.
+  native = sandbox.run_python("import ctypes\nprint(ctypes.CDLL(None).fork())", "", FAST.limits)
+  assert native.stdout == "-1\n"
+  threads = sandbox.run_python("import threading\nt = threading.Thread(target=print, args=(5,))\n"
+                               "t.start()\nt.join()", "", FAST.limits)
+  assert threads.stdout == "5\n"
   _unharmed(t0, 20)
 
 

@@ -7,17 +7,21 @@ processes), a wall-clock timeout after which its whole process group is killed, 
 isolated mode (`-I`: no PYTHON* variables, no user site, neither the script's nor the current
 directory on sys.path) with an environment that holds no proxies or tokens.
 
+Every level also installs a seccomp filter in the child before the program starts: fork, vfork and
+clone without CLONE_THREAD fail (EAGAIN), clone3 fails with ENOSYS so libc falls back to clone;
+threads still work. It is kernel-enforced, so native code (ctypes, C extensions) cannot start
+processes either; fork(), the subprocess module and friends are also refused at the Python level
+(a clear error, and a fallback on architectures the filter does not know).
+
 Isolation levels (`isolation()` says which this machine gets; probed once per process):
   "namespaces"  Linux user + mount + network + pid namespaces (`unshare`): no network at all (an
                 empty network namespace), the whole filesystem read-only except the run's own
-                directory, the project's directory hidden under an empty tmpfs, and every process
-                the program starts dies with it (the pid namespace ends when its first process
-                does). Where we run as root, the mapped user is root too and the kernel does not
-                enforce the process-count limit; fork(), the subprocess module and friends are then
-                refused by the prelude (a Python-level block that native code could bypass), and
-                the namespace and the wall timeout bound whatever gets through.
-  "rlimits"     no namespaces available: the same limits and prelude (sockets and fork refused in
-                Python), but the program could read files our user can read, and native code
+                directory, the project's directory and /dev/shm hidden under empty tmpfs mounts,
+                and every process dies with the first one (the pid namespace ends with it). The
+                mapped user is our own; where that is root the kernel does not enforce the
+                process-count limit, which is why the seccomp filter matters.
+  "rlimits"     no namespaces available: the same limits, seccomp filter and Python-level
+                refusals, but the program could read files our user can read, and native code
                 could reach the network.
 Neither level defends the reward against a policy that inspects its own harness (e.g. reads the
 pass marker of an assert test): it contains damage, it is not an anti-cheat.
@@ -63,6 +67,28 @@ for res, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resou
     fsize), (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_NOFILE, nofile),
     (resource.RLIMIT_CORE, 0)):
   resource.setrlimit(res, (value, value))
+def _no_new_processes():
+  # A seccomp filter (kernel-enforced, also against native code): fork, vfork and clone without
+  # CLONE_THREAD fail with EAGAIN, clone3 with ENOSYS (libc falls back to clone); threads work.
+  import ctypes, platform, struct
+  arch, nrs = {"x86_64": (0xC000003E, (435, 57, 58, 56)),
+               "aarch64": (0xC00000B7, (435, 0xFFFFFFFF, 0xFFFFFFFF, 220))}[platform.machine()]
+  clone3, fork, vfork, clone = nrs
+  allow, eagain, enosys = 0x7FFF0000, 0x00050000 | 11, 0x00050000 | 38
+  ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
+  prog = [(ld, 0, 0, 4), (jeq, 0, 7, arch), (ld, 0, 0, 0), (jeq, 7, 0, clone3), (jeq, 5, 0, fork),
+          (jeq, 4, 0, vfork), (jeq, 0, 2, clone), (ld, 0, 0, 16), (jset, 0, 1, 0x10000),
+          (ret, 0, 0, allow), (ret, 0, 0, eagain), (ret, 0, 0, enosys)]
+  raw = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in prog))
+  fprog = struct.pack("HxxxxxxP", len(prog), ctypes.addressof(raw))
+  libc = ctypes.CDLL(None, use_errno=True)
+  if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0):
+    raise OSError(ctypes.get_errno(), "seccomp")
+try:
+  _no_new_processes()
+  seccomp = True
+except Exception:
+  seccomp = False
 def _refused(*args, **kwargs):
   raise PermissionError("not allowed in the reward sandbox")
 import socket, subprocess
@@ -74,7 +100,7 @@ for name in ("fork", "forkpty", "vfork", "system", "popen", "posix_spawn", "posi
 subprocess.Popen = _refused
 path = sys.argv[6]
 sys.argv = [path]
-del cpu, mem, fsize, nproc, nofile, res, value, name
+del cpu, mem, fsize, nproc, nofile, res, value, name, seccomp, _no_new_processes
 runpy.run_path(path, run_name="__main__")
 """
 
