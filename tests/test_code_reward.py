@@ -39,8 +39,10 @@ def test_test_formats_as_datasets_ship_them():
   assert parse_tests("assert f(1) == 2\nassert f(2) == 3") == [
       ("assert", "assert f(1) == 2"), ("assert", "assert f(2) == 3")]
   assert parse_tests({"asserts": EVEN_ASSERTS})[1] == ("assert", "assert not is_even(3)")
-  with pytest.raises(ValueError, match="call-based"):
-    parse_tests({"inputs": [[1]], "outputs": [[2]], "fn_name": "f"})
+  assert parse_tests({"inputs": [[1, 2]], "outputs": [[3]], "fn_name": "f"}) == [
+      ("call", "f", "[1, 2]", "[3]")]
+  with pytest.raises(ValueError, match="neither JSON tests nor assert lines"):
+    parse_tests("print(1)")
 
 
 def test_correct_wrong_and_partial_solutions():
@@ -57,6 +59,17 @@ def test_correct_wrong_and_partial_solutions():
   # Exiting early skips the asserts: that is a failure, not a pass.
   assert code_reward(fenced("import sys\ndef is_even(n):\n  return 0\nsys.exit(0)"), EVEN_ASSERTS,
                      FAST) == 0.0
+
+
+def test_call_based_tests_as_apps_and_taco_ship_them():
+  tests = {"fn_name": "add_pair", "inputs": [[1, 2], [5, -5]], "outputs": [[3], [0]]}
+  assert code_reward(fenced("def add_pair(a, b):\n  return a + b"), tests, FAST) == 1.0
+  assert code_reward(fenced("def add_pair(a, b):\n  return a - b"), tests, FAST) == 0.0
+  leetcode = {"fn_name": "twoSum", "inputs": [[[2, 7, 11, 15], 9]], "outputs": [[0, 1]]}
+  solution = ("class Solution:\n  def twoSum(self, nums, target):\n    seen = {}\n"
+              "    for i, x in enumerate(nums):\n      if target - x in seen:\n"
+              "        return (seen[target - x], i)\n      seen[x] = i")
+  assert code_reward(fenced(solution), leetcode, FAST) == 1.0  # a tuple result compares as a list
 
 
 def _unharmed(started: float, budget_s: float):

@@ -3,11 +3,13 @@
 Tests come as the datasets ship them (a JSON string or an already-decoded object):
   {"inputs": [...], "outputs": [...]}   stdin/stdout pairs (APPS / TACO / Eurus `input_output`,
                                         also nested as {"input_output": "<json>"});
+  {"fn_name": "f", "inputs": [[args]], "outputs": [result]}   call-based (APPS / TACO; a
+                                        LeetCode-style `class Solution` method works too);
   ["assert f(1) == 2", ...] or {"asserts": [...]} or one string of assert lines (MBPP style).
 Each test runs in its own sandboxed process (tlt_jax/rl/sandbox.py); a stdin/stdout test passes
 when the program exits 0 and its output equals the expected one token by token (trailing
 whitespace and blank lines do not count); an assert test passes when the program, with that assert
-appended, reaches a random marker printed after it.
+(or a call-based check) appended, reaches a random marker printed after it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def extract_code(completion: str) -> str | None:
 
 
 def parse_tests(tests) -> list[tuple[str, str]]:
-  """[(kind, payload...)] as ("io", stdin, expected) or ("assert", line) tuples."""
+  """[(kind, payload...)] as ("io", stdin, expected), ("call", fn_name, args JSON, expected
+  JSON) or ("assert", line) tuples."""
   if isinstance(tests, str):
     stripped = tests.strip()
     if stripped.startswith(("{", "[")):
@@ -50,11 +53,12 @@ def parse_tests(tests) -> list[tuple[str, str]]:
   if isinstance(tests, dict) and "input_output" in tests:
     return parse_tests(tests["input_output"])
   if isinstance(tests, dict) and "inputs" in tests:
-    if "fn_name" in tests:
-      raise ValueError("call-based tests (fn_name) are not supported; use stdin/stdout or asserts")
     inputs, outputs = tests["inputs"], tests["outputs"]
     if len(inputs) != len(outputs):
       raise ValueError(f"{len(inputs)} test inputs but {len(outputs)} outputs")
+    if tests.get("fn_name"):  # call-based (APPS / TACO): arguments in, the return value out
+      return [("call", tests["fn_name"], json.dumps(i), json.dumps(o))
+              for i, o in zip(inputs, outputs)]
     return [("io", _text(i), _text(o)) for i, o in zip(inputs, outputs)]
   if isinstance(tests, dict) and "asserts" in tests:
     tests = tests["asserts"]
@@ -71,12 +75,24 @@ def _same_output(got: str, expected: str) -> bool:
   return got.split() == expected.split()
 
 
+def _call_check(fn_name: str, args_json: str, expected_json: str) -> str:
+  """An assert on a call-based test: the function (or LeetCode-style `Solution().method`) called
+  with the arguments returns the expected value, or the value APPS wraps in a one-item list
+  (tuples compare as lists, as they would after JSON)."""
+  return (f"import json as _json\n"
+          f"_f = globals().get({fn_name!r}) or getattr(globals()['Solution'](), {fn_name!r})\n"
+          f"_got = _json.loads(_json.dumps(_f(*_json.loads({args_json!r}))))\n"
+          f"_want = _json.loads({expected_json!r})\n"
+          f"assert _got == _want or [_got] == _want\n")
+
+
 def _passes(code: str, test: tuple, limits: Limits) -> bool:
   if test[0] == "io":
     result = run_python(code, test[1], limits)
     return result.returncode == 0 and _same_output(result.stdout, test[2])
   marker = f"tlt-pass-{secrets.token_hex(8)}"
-  result = run_python(f"{code}\n\n{test[1]}\nprint({marker!r})\n", "", limits)
+  check = test[1] if test[0] == "assert" else _call_check(*test[1:])
+  result = run_python(f"{code}\n\n{check}\nprint({marker!r})\n", "", limits)
   return result.returncode == 0 and result.stdout.rstrip().endswith(marker)
 
 
