@@ -117,11 +117,11 @@ def test_writing_outside_its_directory(tmp_path):
   writer = fenced(f"open({str(target)!r}, 'w').write('pwned')\n"
                   "a, b = map(int, input().split())\nprint(a + b)")
   t0 = time.perf_counter()
-  reward = code_reward(writer, SUM_TESTS, FAST)
-  assert not target.exists()
-  if sandbox.isolation() == "namespaces":
-    assert reward == 0.0  # the filesystem outside its directory is read-only
   assert code_reward(big, SUM_TESTS, FAST) == 0.0  # past the file-size limit
+  if sandbox.isolation() != "namespaces":
+    pytest.skip("without namespaces the sandbox cannot stop writes our user may make")
+  assert code_reward(writer, SUM_TESTS, FAST) == 0.0  # all but its own directory is read-only
+  assert not target.exists()
   _unharmed(t0, 20)
 
 
