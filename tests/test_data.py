@@ -28,7 +28,7 @@ def test_jsonl_and_parquet_with_configurable_fields(tmp_path):
   pq.write_table(table, tmp_path / "math.parquet")
   rows = read_rows(str(tmp_path / "math.parquet"), prompt_field="problem",
                    answer_field="solution").rows
-  assert rows == [{"prompt": "3*3?", "answer": "\\boxed{9}",
+  assert rows == [{"prompt": "3*3?", "reward": "math", "answer": "9", "answer_raw": "\\boxed{9}",
                    "source": f"{tmp_path / 'math.parquet'}:row 0"}]
 
 

@@ -61,3 +61,108 @@ def test_rewards_end_to_end():
   assert is_equivalent(None, "1") is False
   assert format_reward("\\boxed{1}") == 1.0 and format_reward("The answer is 3") == 1.0
   assert format_reward("3") == 0.0
+
+
+# Rows exactly as the datasets ship them (field names and text copied from their public files).
+GSM8K_ROW = {
+    "question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many "
+                "clips to her friends in May. How many clips did Natalia sell altogether in April "
+                "and May?",
+    "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 "
+              "clips altogether in April and May.\n#### 72"}
+MATH_ROW = {  # hendrycks MATH: the answer is the last \boxed{} of the worked solution
+    "problem": "If $x^2+y^2=1$, what is the largest possible value of $|x|+|y|$?",
+    "level": "Level 5", "type": "Algebra",
+    "solution": "If $(x,y)$ lies on the circle, so does $(x,-y),$ $(-x,-y),$ and $(-x,-y),$ (which "
+                "all give the same value of $|x| + |y|$), so we can assume that $x \\ge 0$ and "
+                "$y \\ge 0.$\n\nThen $|x| + |y| = x + y.$  Squaring, we get\n\\[(x + y)^2 = x^2 + "
+                "2xy + y^2 = 1 + 2xy.\\]Note that $(x - y)^2 \\ge 0.$ ... Hence, the maximum value "
+                "is $\\boxed{\\sqrt{2}}.$"}
+MATH500_ROW = {  # HuggingFaceH4/MATH-500: a plain `answer` field beside the solution
+    "problem": "Convert the point $(0,3)$ in rectangular coordinates to polar coordinates.",
+    "solution": "We have that $r = \\sqrt{0^2 + 3^2} = 3.$ ... \\[\\boxed{\\left( 3, "
+                "\\frac{\\pi}{2} \\right)}.\\]",
+    "answer": "\\left( 3, \\frac{\\pi}{2} \\right)", "subject": "Precalculus", "level": 2,
+    "unique_id": "test/precalculus/807.json"}
+
+
+def _rows(tmp_path, record, **fields):
+  import json  # noqa: PLC0415
+
+  from tlt_jax.data.sources import read_rows  # noqa: PLC0415
+  path = tmp_path / "rows.jsonl"
+  path.write_text(json.dumps(record) + "\n")
+  return read_rows(str(path), **fields).rows
+
+
+def test_reference_answers_are_taken_from_the_datasets_formats_at_load_time(tmp_path):
+  [gsm] = _rows(tmp_path, GSM8K_ROW)
+  assert gsm["answer"] == "72" and gsm["answer_raw"] == GSM8K_ROW["answer"]
+  [math] = _rows(tmp_path, MATH_ROW, prompt_field="problem", answer_field="solution")
+  assert math["answer"] == "\\sqrt{2}" and math["answer_raw"] == MATH_ROW["solution"]
+  [m500] = _rows(tmp_path, MATH500_ROW, prompt_field="problem", answer_field="answer")
+  assert m500["answer"] == MATH500_ROW["answer"]
+  [m500_solution] = _rows(tmp_path, MATH500_ROW, prompt_field="problem", answer_field="solution")
+  assert m500_solution["answer"] == MATH500_ROW["answer"]
+
+
+def test_a_correct_completion_on_a_gsm8k_row_is_rewarded(tmp_path):
+  [row] = _rows(tmp_path, GSM8K_ROW)
+  completion = "In May she sold 48 / 2 = 24 clips, so 48 + 24 = 72 in all. So the answer is \\boxed{72}."
+  assert math_reward(completion, row["answer"]) == 1.0
+  assert math_reward(completion.replace("72", "70"), row["answer"]) == 0.0
+  # The bug this fixes: against the raw worked solution every correct completion scored 0.
+  assert math_reward(completion, row["answer_raw"]) == 0.0
+
+
+# --- math equivalence on hand-labeled completions (experiments/assets/rewards/) ---------------
+def _labeled_cases():
+  import json  # noqa: PLC0415
+  import os  # noqa: PLC0415
+  path = os.path.join(os.path.dirname(__file__), "..", "experiments", "assets", "rewards",
+                      "math_equivalence_cases.jsonl")
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+LABELED = _labeled_cases()
+# Where the combined grader still disagrees with the human label (reported in BENCHMARKS.md).
+KNOWN_WRONG = {("interval", "(-\\infty, 3)")}
+
+
+def test_the_labeled_set_is_large_and_balanced():
+  assert len(LABELED) >= 80
+  assert 0.25 < sum(c["correct"] for c in LABELED) / len(LABELED) < 0.75
+  assert len({c["category"] for c in LABELED}) >= 20
+
+
+@pytest.mark.parametrize("case", LABELED, ids=lambda c: f"{c['category']}-{c['reference'][:12]}")
+def test_combined_grader_agrees_with_the_human_label(case):
+  from tlt_jax.rl.equivalence import grade  # noqa: PLC0415
+  if (case["category"], case["reference"]) in KNOWN_WRONG:
+    pytest.xfail("math-verify compares an inequality with an interval only one way round")
+  correct, path = grade(case["completion"], case["reference"])
+  assert correct == case["correct"], path
+
+
+def test_math_verify_runs_in_a_helper_process_off_the_main_thread():
+  import concurrent.futures as cf  # noqa: PLC0415
+
+  from tlt_jax.rl import equivalence  # noqa: PLC0415
+  cases = [("\\boxed{\\{3,2,1\\}}", "\\{1,2,3\\}", True), ("\\boxed{3.14159}", "\\pi", False),
+           ("\\boxed{x^2+2x+1}", "(x+1)^2", True), ("#### 12", "12", True)]
+  with cf.ThreadPoolExecutor(2) as pool:  # signal-based timeouts would raise in these threads
+    graded = list(pool.map(lambda c: equivalence.grade(c[0], c[1]), cases))
+  assert [g[0] for g in graded] == [c[2] for c in cases]
+  assert [g[1] for g in graded] == ["math_verify", "math_verify", "math_verify", "fast"]
+
+
+def test_a_helper_that_overruns_is_killed_and_replaced():
+  from tlt_jax.rl import equivalence  # noqa: PLC0415
+  helper = equivalence._Helper()
+  # The helper's first answer needs its imports (~1 s): a 1 ms limit must kill it, not hang.
+  verdict, timed_out = helper.ask("1", "\\boxed{1}", wall_s=0.001)
+  assert verdict is None and timed_out and helper.proc.poll() is not None
+  fresh = equivalence._Helper()
+  assert fresh.ask("\\{1,2\\}", "\\boxed{\\{2,1\\}}", wall_s=60) == (True, False)
+  fresh.close()

@@ -37,7 +37,11 @@ def default_config() -> ml_collections.ConfigDict:
       synthetic_ops="+",  # "+", "*" or "+*"
       synthetic_train=20000, synthetic_eval=256,
       use_chat_template=True, system_prompt="",
-      shuffle=True))
+      shuffle=True,
+      # mixed math/code files: the row field naming its reward ("math" | "code"; absent = math),
+      # the code rows' tests field, and "eurus" = Eurus-2-RL-Data's own fields (prompt chat,
+      # ability, reward_model.ground_truth) instead of the *_field names
+      reward_field="reward", tests_field="tests", layout="fields"))
   c.rollout = ml_collections.ConfigDict(dict(
       # the whole step's prompts (several processes decode equal shares of them)
       prompts_per_step=16, group_size=8, max_prompt_len=32, max_new_tokens=192,
@@ -47,7 +51,10 @@ def default_config() -> ml_collections.ConfigDict:
       groups=1,
       # each group's devices split the model (exact tensor parallelism: with the Pallas
       # kernels bitwise the unsplit engine) rather than each holding a whole copy
-      tensor_parallel=False))
+      tensor_parallel=False,
+      # end a sample when its decoded text contains one of these (checked against the
+      # tokenizer and the chat template's end marker when the run starts)
+      stop_strings=()))
   c.tlt = ml_collections.ConfigDict(dict(
       enabled=False,  # speculative decoding with the tuner and an EAGLE drafter
       arms="chain2,chain4",  # SD arms the tuner may pick, besides off (chainN, treeD_K_V)
@@ -85,7 +92,10 @@ def default_config() -> ml_collections.ConfigDict:
       kl_coef=0.0, kl_estimator="k3", tis_cap=2.0,
       overlong_buffer=0,  # DAPO soft overlong penalty over the last N tokens (0 = off)
       correct_weight=1.0, format_weight=0.0,
-      reward_workers=2, reward_worker_kind="thread"))
+      reward_workers=2, reward_worker_kind="thread",
+      # code rewards (tlt_jax/rl/code_reward.py): "all" = 1 only when every test passes,
+      # "fraction" = the share passed; each test's sandboxed run has this wall limit
+      code_partial="all", code_timeout_s=10.0, code_max_tests=16))
   c.eval = ml_collections.ConfigDict(dict(every=0, num_problems=256, samples=1, seed=1))
   c.checkpoint = ml_collections.ConfigDict(dict(
       every=10, keep=3, async_save=True, resume=True,
@@ -140,6 +150,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
     problems.append("data.source='files' needs data.eval_path (and data.train_path to train)")
   if c.data.on_error not in ("raise", "skip"):
     problems.append(f"data.on_error={c.data.on_error!r} must be 'raise' or 'skip'")
+  if c.data.layout not in ("fields", "eurus"):
+    problems.append(f"data.layout={c.data.layout!r} must be 'fields' or 'eurus'")
+  if c.rl.code_partial not in ("all", "fraction"):
+    problems.append(f"rl.code_partial={c.rl.code_partial!r} must be 'all' or 'fraction'")
+  if c.rl.code_timeout_s <= 0 or c.rl.code_max_tests < 1:
+    problems.append("rl.code_timeout_s must be > 0 and rl.code_max_tests >= 1")
+  stops = c.rollout.stop_strings
+  if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
+    problems.append(f"rollout.stop_strings={stops!r} must be a tuple of non-empty strings")
   if c.tlt.drafter_numerics not in ("xla", "policy"):
     problems.append(f"tlt.drafter_numerics={c.tlt.drafter_numerics!r} must be 'xla' or 'policy'")
   if c.tlt.drafter_lr <= 0 or c.tlt.online_lr <= 0:

@@ -32,8 +32,9 @@ from tlt_jax import config as config_lib
 from tlt_jax import determinism, metrics, ops
 from tlt_jax import job as job_lib
 from tlt_jax.data import splits
+from tlt_jax.data.stop_strings import engine_detokenize
 from tlt_jax.model import hf, lora
-from tlt_jax.rl.rewards import math_reward
+from tlt_jax.rl.scoring import RewardSpec, score
 
 
 def evaluate(engine, formatter, tokenizer, rows: list[dict], *, samples: int = 1, seed: int = 0,
@@ -58,7 +59,7 @@ def evaluate(engine, formatter, tokenizer, rows: list[dict], *, samples: int = 1
   for s in outputs:
     i, k = divmod(s.sample_id, samples)
     text = tokenizer.decode(s.tokens.tolist(), skip_special_tokens=True)
-    correct_PxK[i, k] = math_reward(text, rows[i]["answer"])
+    correct_PxK[i, k] = score(text, rows[i], RewardSpec())["correct"]  # math or code row
     lengths_PxK[i, k] = len(s.tokens)
     texts[i, k] = text
   report = {"problems": len(rows), "samples": samples, **_scores(correct_PxK),
@@ -159,7 +160,8 @@ def run_eval(c, *, checkpoint: str = "", step: int | None = None, samples: int |
     t0 = time.perf_counter()
     model, tokenizer, formatter, eos_ids, loaded = load_checkpoint(c, checkpoint, step)
     _, rows, data_report = splits.load_rows(c)
-    engine = job_lib.build_rollout(c, model, eos_ids)
+    engine = job_lib.build_rollout(c, model, eos_ids,
+                                   detokenize=engine_detokenize(c, tokenizer, formatter, eos_ids))
     report = evaluate(engine, formatter, tokenizer, rows, samples=samples,
                       seed=job_lib.derived_seed(c.seed, job_lib.PURPOSE_EVAL, 0),
                       difficulty_key=splits.eval_group_key(c), progress=c.metrics.progress,

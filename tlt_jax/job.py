@@ -23,6 +23,7 @@ from tlt_jax import mesh as mesh_lib
 from tlt_jax.data import splits
 from tlt_jax.data.chat import PromptFormatter
 from tlt_jax.data.pipeline import prompt_dataset
+from tlt_jax.data.stop_strings import engine_detokenize
 from tlt_jax.model import hf, lora
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.rl.scoring import RewardScorer, RewardSpec
@@ -87,9 +88,10 @@ def train_mesh(c) -> jax.sharding.Mesh:
     raise ValueError(f"config.mesh ({where}): {e}") from None
 
 
-def build_rollout(c, model, eos_ids, drafter=None) -> GroupedRollout:
+def build_rollout(c, model, eos_ids, drafter=None, detokenize=None) -> GroupedRollout:
   """The rollout engines of the config: `rollout.groups` data-parallel groups over the local
-  devices, with the tuner's SD arms when a drafter is given (plain decode otherwise)."""
+  devices, with the tuner's SD arms when a drafter is given (plain decode otherwise).
+  `detokenize` (token ids -> text) is what `rollout.stop_strings` are matched against."""
   devices = mesh_lib.run_devices(local=True)
   if not 1 <= c.rollout.groups <= len(devices):
     raise ValueError(
@@ -101,7 +103,7 @@ def build_rollout(c, model, eos_ids, drafter=None) -> GroupedRollout:
     raise ValueError(f"tlt.fixed_arm={c.tlt.fixed_arm!r} is not one of tlt.arms={c.tlt.arms!r}")
   groups = [list(g) for g in np.array_split(np.array(devices, dtype=object), c.rollout.groups)]
   return GroupedRollout(model, EngineConfig.from_config(c, eos_ids, arms), groups, drafter,
-                        tensor_parallel=c.rollout.tensor_parallel)
+                        tensor_parallel=c.rollout.tensor_parallel, detokenize=detokenize)
 
 
 def spot_config(c, *, online: bool = True) -> SpotConfig:
@@ -203,7 +205,8 @@ def build(c, name: str = "run") -> Job:
   if t.enabled:
     drafter = (load_drafter(t.drafter_init, policy.model.cfg) if t.drafter_init
                else Drafter(policy.model.cfg, nnx.Rngs(c.seed + 1)))
-  engine = build_rollout(c, policy.model, policy.eos_ids, drafter)
+  engine = build_rollout(c, policy.model, policy.eos_ids, drafter,
+                         detokenize=engine_detokenize(c, *policy[1:]))
   buffer = DrafterBuffer(t.window_steps) if t.enabled else None
   spot = (SpotTrainer(drafter, policy.model, buffer, spot_config(c))
           if t.enabled and t.spot_training else None)
@@ -218,7 +221,7 @@ def build(c, name: str = "run") -> Job:
                              process_count=jax.process_count(), shuffle=c.data.shuffle))
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=c.checkpoint.keep, async_save=c.checkpoint.async_save)
-  scorer = RewardScorer(RewardSpec(c.rl.correct_weight, c.rl.format_weight),
+  scorer = RewardScorer(RewardSpec.from_config(c.rl),
                         workers=c.rl.reward_workers, kind=c.rl.reward_worker_kind)
   buffer_dir = os.path.join(workdir, "drafter_buffer",
                             *([f"process_{jax.process_index()}"] if multi else []))

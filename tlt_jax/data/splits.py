@@ -48,7 +48,8 @@ def load_rows(c) -> tuple[list[dict], list[dict], dict]:
   else:
     def read(path):
       return sources.read_rows(path, prompt_field=d.prompt_field, answer_field=d.answer_field,
-                               on_error=d.on_error)
+                               on_error=d.on_error, reward_field=d.reward_field,
+                               tests_field=d.tests_field, layout=d.layout)
 
     train_report = read(d.train_path) if d.train_path else sources.ReadReport([], [])
     train, skipped = train_report.rows, list(train_report.skipped)

@@ -15,8 +15,9 @@ import re
 NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
 _ANSWER_PATTERNS = (
     re.compile(r"####\s*([^\n]+)"),
-    re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*\$?([^\n$]+)", re.IGNORECASE),
+    re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*\\?\$?([^\n$]+)", re.IGNORECASE),
 )
+_FINAL_ANSWER = re.compile(r"final answer\s*(?:is|:)\s*\\?\$?([^\n$]+)", re.IGNORECASE)
 
 
 def last_boxed(text: str) -> str | None:
@@ -32,10 +33,28 @@ def last_boxed(text: str) -> str | None:
   return text[start:i - 1] if depth == 0 else None
 
 
+def reference_answer(reference: str) -> str:
+  """The final answer inside a reference as datasets ship it: GSM8K's worked solution ending in
+  "#### 72" -> "72", a MATH solution -> its last \\boxed{}, a plain answer field -> itself.
+  Applied once at load time (tlt_jax/data/sources.py keeps the raw text beside it)."""
+  gsm8k = re.findall(r"####\s*([^\n]+)", reference)
+  if gsm8k:
+    return gsm8k[-1].strip()
+  boxed = last_boxed(reference)
+  if boxed is not None:
+    return boxed.strip()
+  return reference.strip()
+
+
 def extract_answer(text: str) -> str | None:
   boxed = last_boxed(text)
   if boxed is not None:
-    return boxed.strip()
+    # "I get \\boxed{12} at first, but ... The final answer is 10.": a stated final answer after
+    # the last box retracts it (it must look like an answer: a digit or LaTeX, not "correct").
+    box_at = text.rfind("\\boxed")
+    later = [m.group(1) for m in _FINAL_ANSWER.finditer(text, max(box_at, 0))
+             if re.search(r"[\d\\]", m.group(1)) and "\\boxed" not in m.group(1)]
+    return later[-1].strip().rstrip(".") if later else boxed.strip()
   for pattern in _ANSWER_PATTERNS:
     matches = pattern.findall(text)
     if matches:
@@ -49,12 +68,14 @@ def normalize(answer: str) -> str:
   s = re.sub(r"\\text\{\s*([^{}]*)\}", r"\1", s)
   s = re.sub(r"\\(?:mathrm|mathbf|textbf)\{([^{}]*)\}", r"\1", s)
   s = s.replace("\\left", "").replace("\\right", "").replace("\\!", "").replace("\\,", "")
-  s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("$", "")
+  s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\$", "")
+  s = s.replace("$", "")
   s = s.replace("\\%", "").replace("%", "").replace("^\\circ", "").replace("^{\\circ}", "")
   s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12
   s = re.sub(r"^(?:x|y|n|k)\s*=\s*", "", s)  # "x = 5"
   s = re.sub(r"\s*(?:units?|dollars?|cm|meters?|inches|degrees|cents)$", "", s)
   s = s.strip().rstrip(".").strip()
+  s = re.sub(r"^(-?[\d,]*\.?\d+)\s+[a-zA-Z][a-zA-Z ]*$", r"\1", s)  # "42 apples"
   if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
     s = s.replace(",", "")
   return s.replace(" ", "")
@@ -70,6 +91,12 @@ def as_fraction(s: str) -> fractions.Fraction | None:
   if m:
     den = fractions.Fraction(m.group(2))
     return fractions.Fraction(m.group(1)) / den if den else None
+  m = re.fullmatch(r"(-?)(\d*)\.(\d*)\\overline\{(\d+)\}", s)  # 0.1\overline{6} = 1/6
+  if m:
+    sign, whole, fixed, repeat = m.groups()
+    value = (int(whole or 0) + fractions.Fraction(int(fixed or 0), 10 ** len(fixed))
+             + fractions.Fraction(int(repeat), 10 ** len(fixed) * (10 ** len(repeat) - 1)))
+    return -value if sign else value
   if re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)", s):
     return fractions.Fraction(s)
   return None

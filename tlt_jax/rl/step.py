@@ -21,6 +21,7 @@ import numpy as np
 from tlt_jax import multihost
 from tlt_jax.job import PURPOSE_ROLLOUT, Job, derived_seed
 from tlt_jax.rl import algorithms
+from tlt_jax.rl.scoring import reward_metrics
 from tlt_jax.rl.trainer import Batch, make_batch
 
 
@@ -35,6 +36,7 @@ class Rollout:
   finish: list[str]               # "eos" | "stop" | "length"
   local_tokens: int               # tokens this process generated
   report: object                  # rollout.RolloutReport of this process's rollout
+  reward_record: dict             # reward means per kind, grader paths (this process's samples)
   drafter_record: dict            # TLT: drafter version, buffer and spot-training figures
   rollout_s: float
   reward_wait_s: float
@@ -59,7 +61,7 @@ def rollout(job: Job, step: int, rows: list[dict], *, on_sample=None) -> Rollout
 
   def score_when_done(sample):
     text = tokenizer.decode(sample.tokens.tolist(), skip_special_tokens=True)
-    job.scorer.submit(sample.sample_id, text, rows[sample.sample_id // G]["answer"])
+    job.scorer.submit(sample.sample_id, text, rows[sample.sample_id // G])  # math or code row
     if on_sample is not None:
       on_sample(sample)
 
@@ -72,6 +74,7 @@ def rollout(job: Job, step: int, rows: list[dict], *, on_sample=None) -> Rollout
                             spot=spot, min_live_share=c.tlt.min_live_share, **job.forced_arm)
   rollout_s = time.perf_counter() - t0
   scores, reward_wait_s = job.scorer.results()
+  reward_record = reward_metrics(scores)  # per kind (math / code) and which grader decided
   drafter_record = _drafter_side(job, step, samples, engine.last_report)
 
   N = len(rows) * G
@@ -90,7 +93,7 @@ def rollout(job: Job, step: int, rows: list[dict], *, on_sample=None) -> Rollout
   return Rollout(prompts=prompts_out, tokens=tokens, logprobs=logps, rewards_N=rewards,
                  correct_N=correct, finish=finish,
                  local_tokens=sum(len(s.tokens) for s in samples), report=engine.last_report,
-                 drafter_record=drafter_record, rollout_s=rollout_s, reward_wait_s=reward_wait_s)
+                 reward_record=reward_record, drafter_record=drafter_record, rollout_s=rollout_s, reward_wait_s=reward_wait_s)
 
 
 def _drafter_side(job: Job, step: int, samples, report) -> dict:
@@ -153,7 +156,7 @@ def record(ro: Rollout, scored: Scored, stats: dict, train_s: float) -> dict:
       "rollout_s": ro.rollout_s, "reward_wait_s": ro.reward_wait_s, "train_s": train_s,
       "rollout_tokens_per_s": float(ro.local_tokens / ro.rollout_s),
       "accept_len": report.accept_len, "sd_chunk_fraction": report.sd_chunk_fraction,
-      **ro.drafter_record, **stats}
+      **ro.reward_record, **ro.drafter_record, **stats}
 
 
 def run(job: Job, step: int, rows: list[dict], *, on_sample=None) -> tuple[dict, Rollout]:
