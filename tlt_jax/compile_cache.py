@@ -52,7 +52,7 @@ def configure(cache_dir: str | None) -> str | None:
   from jax.experimental.compilation_cache import compilation_cache  # noqa: PLC0415
 
   path = resolve(cache_dir)
-  if path == _configured:
+  if path == _configured and jax.config.jax_compilation_cache_dir == path:
     return path
   if path is not None:
     os.makedirs(path, exist_ok=True)
