@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from tlt_jax import compile_cache, logs
 from tlt_jax.rl.rewards import math_reward
 
 
@@ -186,6 +187,9 @@ def main(argv) -> None:
   from absl import flags  # noqa: PLC0415
 
   f = flags.FLAGS
+  logs.configure(f.config.log_level)
+  cache_dir = compile_cache.configure(f.config.compile.cache_dir)
+  print(f"[evaluate] compile cache: {cache_dir or 'off'}", file=sys.stderr)
   out = f.out
   if not out and f.checkpoint and os.path.isdir(os.path.join(f.checkpoint, "checkpoints")):
     out = os.path.join(f.checkpoint, f"eval_report_{f.samples or f.config.eval.samples}.json")
