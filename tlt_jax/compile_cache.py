@@ -12,6 +12,9 @@ Where it lives (`config.compile.cache_dir`):
 - "" turns it off;
 - any other string is the folder.
 
+Entries are never evicted (JAX's size limit would take a lock and list the folder on every
+write); deleting the folder is safe and only costs one compile of each program.
+
 JAX trusts what it loads from the cache: a folder that others may write to lets them run code in
 your process. The default is under your own home.
 """
