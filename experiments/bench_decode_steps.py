@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 from experiments import bench_determinism as bd  # configures batch-invariant XLA flags first
@@ -25,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tlt_jax import ops  # noqa: E402
+from tlt_jax import compile_cache, logs, ops  # noqa: E402
 
 
 def main() -> None:
@@ -33,6 +34,9 @@ def main() -> None:
   parser.add_argument("--new-tokens", type=int, default=32)
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args()
+  logs.configure("warning")
+  cache_dir = compile_cache.configure(None)
+  print(f"[bench_decode_steps] compile cache: {cache_dir or 'off'}", file=sys.stderr)
   graphdef, state = bd.build_model()
   decode = bd.make_decode(graphdef, args.new_tokens,
                           bd.round_up(bd.PROMPT_LEN + args.new_tokens, ops.KV_SPLIT))

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from tlt_jax import ops  # noqa: E402
+from tlt_jax import compile_cache, logs, ops  # noqa: E402
 from tlt_jax.model.transformer import ModelConfig, Transformer, init_cache  # noqa: E402
 from tlt_jax.rollout.sampling import sample_tokens  # noqa: E402
 from pallas_kernels.common import round_up  # noqa: E402
@@ -152,6 +152,9 @@ def main() -> None:
   parser.add_argument("--xla-default-flags", action="store_true",
                       help="internal: only time numerics=xla with XLA's default CPU flags")
   args = parser.parse_args()
+  logs.configure("warning")
+  cache_dir = compile_cache.configure(None)
+  print(f"[bench_determinism] compile cache: {cache_dir or 'off'}", file=sys.stderr)
   requests, new_tokens = (64, 32) if args.quick else (512, 128)
   rng = np.random.default_rng(args.seed)
   schedule = make_schedule(requests, rng)

@@ -23,11 +23,13 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 
 import numpy as np
 
+from tlt_jax import compile_cache, logs
 from tlt_jax import config as config_lib
 from tlt_jax import determinism
 
@@ -74,6 +76,9 @@ def main() -> None:
   unrolls = [int(k) for k in args.unrolls.split(",")]
 
   c = config_lib.load_config_file(CONFIG)
+  logs.configure(c.log_level)
+  cache_dir = compile_cache.configure(c.compile.cache_dir)
+  print(f"[bench_drafter_unroll] compile cache: {cache_dir or 'off'}", file=sys.stderr)
   determinism.configure(c.numerics, c.xla_determinism, c.numerics_f32_matmul)
   from tlt_jax import ops  # noqa: PLC0415
   from tlt_jax.tlt.warmup import warmup  # noqa: PLC0415

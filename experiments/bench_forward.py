@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 
 from tlt_jax import determinism
@@ -27,6 +28,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from pallas_kernels import attention as attention_kernels  # noqa: E402
+from tlt_jax import compile_cache, logs  # noqa: E402
 from tlt_jax import config as config_lib  # noqa: E402
 from tlt_jax import ops  # noqa: E402
 from tlt_jax import job as job_lib  # noqa: E402
@@ -66,6 +68,9 @@ def time_ms(fn, reps: int, trials: int = 3) -> tuple[float, np.ndarray]:
 
 def main() -> None:
   c = config_lib.load_config_file(CONFIG)
+  logs.configure(c.log_level)
+  cache_dir = compile_cache.configure(c.compile.cache_dir)
+  print(f"[bench_forward] compile cache: {cache_dir or 'off'}", file=sys.stderr)
   model = job_lib.load_policy(c)[0]
   looped = attention_kernels.attention_blocked_jax
   def one_pass(q, k, v, mask, scale, causal=False):  # the single-pass core, to compare

@@ -18,13 +18,14 @@ import dataclasses
 import json
 import os
 import platform
+import sys
 import time
 
 import jax
 import numpy as np
 from flax import nnx
 
-from tlt_jax import ops
+from tlt_jax import compile_cache, logs, ops
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import ModelConfig, Transformer
 from tlt_jax.rollout.config import EngineConfig
@@ -73,6 +74,9 @@ def main() -> None:
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--numerics", default="xla", choices=ops.NUMERICS_MODES)
   args = parser.parse_args()
+  logs.configure("warning")
+  cache_dir = compile_cache.configure(None)
+  print(f"[bench_rollout] compile cache: {cache_dir or 'off'}", file=sys.stderr)
   ops.set_numerics(args.numerics)
   rng = np.random.default_rng(0)
   new_tokens = 32 if args.quick else 96

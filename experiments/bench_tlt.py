@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 
 from tlt_jax import config as config_lib  # noqa: E402
 import tlt_jax  # noqa: E402
-from tlt_jax import metrics  # noqa: E402
+from tlt_jax import compile_cache, logs, metrics  # noqa: E402
 from tlt_jax.tlt.warmup import warmup  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,6 +142,10 @@ def main() -> None:
   parser.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)  # child
   parser.add_argument("--workdir", default="", help=argparse.SUPPRESS)  # child
   args = parser.parse_args()
+  logs.configure("warning")
+  cache_dir = compile_cache.configure(None)  # the variants' processes share it
+  if not args.variant:
+    print(f"[bench_tlt] compile cache: {cache_dir or 'off'}", file=sys.stderr)
   steps = args.steps or (2 if args.quick else 10)
   if args.variant:  # one variant in this process (see run_child)
     measured = run_variant(args.variant, variant_config(args.variant, steps, args.workdir,

@@ -22,7 +22,7 @@
 #   GPU_CHECK_PROBE     extra probe arguments (e.g. "--only attention,matmul")
 #   GPU_CHECK_DRY_RUN=1 (or --dry-run): print each command and the limit it would get, run none
 #   PYTHON              python3
-# The whole script shares JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR,
+# The whole script shares one compilation cache (TLT_JAX_CACHE_DIR, else JAX_COMPILATION_CACHE_DIR,
 # default /tmp/jaxcache): the test suite's smoke run and the train part compile the same programs.
 # Never `set -e`: every part runs, and its exit code is recorded.
 set -u
@@ -45,12 +45,13 @@ BENCHES=${GPU_CHECK_BENCHES:-determinism,forward,decode_steps,rollout,drafter_un
 DEADLINE=${GPU_CHECK_DEADLINE:-345}
 TRAIN_DIR=/tmp/run_gpu
 TRAIN_ARGS=${GPU_CHECK_TRAIN:-"--config experiments/configs/tiny_arith.py:smoke --config.workdir=$TRAIN_DIR"}
-export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
-export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.5}
+# The tests' conftest would otherwise make a cache of their own for the run.
+export TLT_JAX_CACHE_DIR=${TLT_JAX_CACHE_DIR:-${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}}
+export JAX_COMPILATION_CACHE_DIR=$TLT_JAX_CACHE_DIR
 export PYTHONUNBUFFERED=1
 export PYTHONDONTWRITEBYTECODE=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-mkdir -p "$JAX_COMPILATION_CACHE_DIR"
+mkdir -p "$TLT_JAX_CACHE_DIR"
 START=$SECONDS
 : > "$WORK/parts.tsv"
 

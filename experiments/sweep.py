@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from tlt_jax import compile_cache as compile_cache_lib
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Columns of the table, from each point's summary.json (None when a point has no such figure).
@@ -232,9 +234,11 @@ def sweep(config: str, points: list[dict[str, str]], out: str, *, jobs: int = 1,
   config = os.path.abspath(path) + (f":{variant}" if variant else "")
   os.makedirs(os.path.join(out, "points"), exist_ok=True)
   env = dict(os.environ, TLT_NO_PROGRESS="1")
-  if compile_cache:  # shared XLA compilation cache: points with the same programs compile once
-    env.update(JAX_COMPILATION_CACHE_DIR=os.path.abspath(compile_cache),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+  # One compilation cache for every point (tlt_jax/compile_cache.py): points with the same
+  # programs compile once. "" = the default folder; a point's own compile.cache_dir wins.
+  cache_dir = compile_cache_lib.resolve(compile_cache or None)
+  env[compile_cache_lib.ENV_VAR] = cache_dir or ""
+  print(f"[sweep] compile cache: {cache_dir or 'off'}", file=sys.stderr)
   labels = [point_label(p, _common(points)) for p in points]
   rows: dict[str, dict] = {}
   queue = [(label, p) for label, p in zip(labels, points)]
@@ -308,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--devices_per_point", type=int, default=0,
                       help="GPUs per point (sets CUDA_VISIBLE_DEVICES per process)")
   parser.add_argument("--rerun", action="store_true", help="rerun points that have a summary")
-  parser.add_argument("--compile_cache", default="", help="shared XLA compilation cache folder")
+  parser.add_argument("--compile_cache", default="",
+                      help="the points' shared XLA compilation cache folder (default: "
+                           "$TLT_JAX_CACHE_DIR, else ~/.cache/tlt_jax/xla)")
   args = parser.parse_args(argv)
   points = grid_points(args.grid, args.point, args.fixed)
   if not points:

@@ -30,6 +30,12 @@ while not os.path.isdir(os.path.join(root, "tlt_jax")):
   root = os.path.dirname(root)
 os.chdir(root)
 sys.path.insert(0, root)
+
+# Library INFO lines off, and compiled programs kept on disk (~/.cache/tlt_jax/xla, or
+# $TLT_JAX_CACHE_DIR): a rerun of this notebook loads them instead of compiling again.
+from tlt_jax import compile_cache, logs
+logs.configure("warning")
+print("compile cache:", compile_cache.configure(None))
 '''
 
 CONFIGURE = '''
@@ -72,7 +78,7 @@ This notebook
 4. warms the drafter up on the model's own rollouts (a few seconds) and plots the accept length.
 
 Under a minute on 2 CPU cores, most of it compiling the engine's programs (about 25 s once
-JAX's persistent compilation cache, which the engine turns on, holds them).'''),
+JAX's persistent compilation cache, which the first cell turns on, holds them).'''),
     ("code", SETUP + CONFIGURE + '''
 import jax
 import matplotlib.pyplot as plt

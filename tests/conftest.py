@@ -1,5 +1,7 @@
 import contextlib
 import os
+import shutil
+import tempfile
 
 # 8 CPU devices for mesh tests; must be set before JAX is imported anywhere. On a machine with
 # an accelerator they are its host devices, beside the default backend's (see `on_devices`).
@@ -16,6 +18,35 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+_OWN_CACHE_FOLDER = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+  """One persistent compilation cache for the whole run, shared by the xdist workers and by the
+  processes the tests start (sweep points, subprocess runs): the same programs (the smoke run's,
+  the engine's bucket programs) are compiled by several modules, and on another worker or in a
+  child process they load from disk instead. The controller makes the folder and names it in
+  $TLT_JAX_CACHE_DIR before xdist starts its workers, which inherit it; a folder already named
+  there (e.g. one kept between runs) is used as it is."""
+  from tlt_jax import compile_cache  # noqa: PLC0415
+
+  is_xdist_worker = hasattr(config, "workerinput")
+  if not is_xdist_worker and compile_cache.ENV_VAR not in os.environ:
+    folder = tempfile.mkdtemp(prefix="tlt_jax_test_xla_cache-")
+    os.environ[compile_cache.ENV_VAR] = folder
+    config.stash[_OWN_CACHE_FOLDER] = folder
+  compile_cache.configure(None)
+
+
+def pytest_unconfigure(config):
+  from tlt_jax import compile_cache  # noqa: PLC0415
+
+  folder = config.stash.get(_OWN_CACHE_FOLDER, None)
+  if folder:  # made for this run (the controller's, after its workers have ended)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.environ.pop(compile_cache.ENV_VAR, None)
+
 
 # TLT_TEST_ONE_DEFAULT_DEVICE=1 simulates a single-accelerator machine on a CPU one: the default
 # backend shows one device (`jax.devices()`, `jax.local_devices()`, `jax.device_count()`), while

@@ -117,8 +117,7 @@ def _engine_program(arch: str, phase: str, target: str):
           "verify_tree": tree_arm(3, 2, 5)}
   arm = arms.get(phase, Arm(OFF))
   cfg = EngineConfig(buckets=(4,), max_prompt_len=16, max_new_tokens=32, chunk_steps=4,
-                     arms=(Arm(OFF), arm) if arm.depth else (arm,), drafter_numerics="policy",
-                     compilation_cache_dir="")
+                     arms=(Arm(OFF), arm) if arm.depth else (arm,), drafter_numerics="policy")
   pool = ProgramPool(model, drafter, cfg, {4: [a.name for a in cfg.arms]})
   device = targets_lib.abstract_device(target)
   pool.params = targets_lib.on_device(pool.params, device)

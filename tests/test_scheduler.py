@@ -24,7 +24,7 @@ from tlt_jax.tlt.spot import SpotConfig, SpotTrainer
 EOS = 3
 CFG = EngineConfig(buckets=(2, 4), max_prompt_len=4, max_new_tokens=12, chunk_steps=2,
                    sampling=SamplingParams(temperature=1.0), eos_ids=(EOS,),
-                   arms=(Arm(OFF), Arm("chain3", 3)), compilation_cache_dir="")
+                   arms=(Arm(OFF), Arm("chain3", 3)))
 PROMPTS = [[1, 5, 7], [2], [4, 4, 9], [6, 8], [7, 1], [9, 2, 2], [5], [8, 8]]
 SPOT = SpotConfig(rows=2, row_len=32, lr=1e-2)
 

@@ -4,6 +4,7 @@ that names the key (`--config.model.hiden_size=...` fails instead of being silen
 from __future__ import annotations
 
 import ml_collections
+from ml_collections import config_dict
 
 from tlt_jax.model.transformer import ModelConfig, RopeScaling
 
@@ -16,6 +17,12 @@ def default_config() -> ml_collections.ConfigDict:
   c.xla_determinism = True  # run-to-run determinism flags on GPU (tlt_jax/determinism.py)
   # XLA's f32 matmuls: "highest" (full f32) | "tf32" (faster on NVIDIA GPUs, ~1e-3 relative)
   c.numerics_f32_matmul = "highest"
+  # library log lines shown (absl, Orbax, Grain, JAX): "warning" | "info" | "debug" | "error"
+  c.log_level = "warning"
+  # JAX's persistent compilation cache (tlt_jax/compile_cache.py): None = $TLT_JAX_CACHE_DIR,
+  # else ~/.cache/tlt_jax/xla; "" = off
+  # (a str placeholder: --config.compile.cache_dir=... overrides it; other types are refused)
+  c.compile = ml_collections.ConfigDict(dict(cache_dir=config_dict.placeholder(str)))
   c.model = ml_collections.ConfigDict(dict(
       hf_dir="",  # a config.json + safetensors directory; when set, the fields below are ignored
       arch="qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -127,6 +134,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.numerics_f32_matmul not in ("highest", "tf32"):
     problems.append(f"numerics_f32_matmul={c.numerics_f32_matmul!r} must be 'highest' (full "
                     "f32) or 'tf32' (XLA's f32 matmuls as TF32 on NVIDIA GPUs)")
+  if c.log_level not in ("debug", "info", "warning", "error"):
+    problems.append(f"log_level={c.log_level!r} must be 'debug', 'info', 'warning' or 'error'")
   m = c.model
   if m.num_heads <= 0:
     problems.append(f"model.num_heads={m.num_heads} must be positive")

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax import checkpoint as ckpt_lib
+from tlt_jax import compile_cache, logs
 from tlt_jax import config as config_lib
 from tlt_jax import determinism, metrics, ops
 from tlt_jax import job as job_lib
@@ -180,6 +181,9 @@ def main(argv) -> None:
   from absl import flags  # noqa: PLC0415 (absl's flags exist once the CLI has defined them)
 
   f = flags.FLAGS
+  logs.configure(f.config.log_level)
+  cache_dir = compile_cache.configure(f.config.compile.cache_dir)
+  print(f"[evaluate] compile cache: {cache_dir or 'off'}", file=sys.stderr)
   out = f.out
   if not out and f.checkpoint and os.path.isdir(os.path.join(f.checkpoint, "checkpoints")):
     out = os.path.join(f.checkpoint, f"eval_report_{f.samples or f.config.eval.samples}.json")

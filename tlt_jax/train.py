@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from tlt_jax import checkpoint as ckpt_lib
+from tlt_jax import compile_cache, logs
 from tlt_jax import config as config_lib
 from tlt_jax import determinism, distributed, multihost, ops, run_state
 from tlt_jax import job as job_lib
@@ -52,6 +53,9 @@ def run(c, name: str = "run", config_path: str = "") -> dict:
   """Runs (or resumes) the job described by config `c`; returns the summary."""
   t_start = time.perf_counter()
   config_lib.validate(c)
+  logs.configure(c.log_level)
+  print(f"[train] compile cache: {compile_cache.configure(c.compile.cache_dir) or 'off'}",
+        file=sys.stderr)
   determinism.configure(c.numerics, c.xla_determinism, c.numerics_f32_matmul)
   distributed.initialize_from_config(c)  # multi-host: before the first JAX computation
   run_state.check_workdir(c)

@@ -34,9 +34,6 @@ class EngineConfig:
   compaction: bool = True
   max_verify_tokens_per_bucket: int = 1024
   stop_strings: tuple[str, ...] = ()  # checked on the host after each chunk (needs detokenize)
-  # JAX's persistent compilation cache: a restarted run loads its program pool instead of
-  # compiling it ("" = off).
-  compilation_cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "tlt-jax", "xla")
   seed: int = 0
   # The drafter only proposes: gumbel verification emits the target's own samples, and
   # rejection sampling is exact in distribution for any proposal. So it may run on XLA's fast
@@ -68,7 +65,8 @@ class EngineConfig:
         chunk_steps=r.chunk_steps, eos_ids=tuple(eos_ids), verification=r.verification,
         sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
         compaction=r.compaction, seed=c.seed, arms=tuple(arms),
-        drafter_numerics=c.tlt.drafter_numerics)
+        drafter_numerics=c.tlt.drafter_numerics,
+        stop_strings=tuple(c.rollout.stop_strings))
 
   @property
   def max_depth(self) -> int:

@@ -69,8 +69,6 @@ class RolloutEngine:
     if cfg.stop_strings and detokenize is None:
       raise ValueError("stop_strings need a detokenize(token_ids) -> str function")
     self.detokenize = detokenize
-    if cfg.compilation_cache_dir:
-      jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
     if drafter is not None:
       check_fits(drafter, target.cfg)
     if drafter is None and cfg.max_depth:
