@@ -406,7 +406,7 @@ def _run(c, name: str) -> dict:  # noqa: PLR0915 (one loop, read top to bottom)
                                                                  rl.overlong_buffer))
     advantages = np.asarray(algorithms.ADVANTAGES[rl.algorithm](rewards, G))
     mixed = np.asarray(algorithms.mixed_groups(rewards, G))
-    keep = mixed.astype(np.float32) if rl.algorithm == "dapo" else None
+    keep = algorithms.dynamic_sampling_weights(rl.algorithm, correct, G)  # on accuracy (DAPO)
     batch = make_batch(batch_prompts, batch_tokens, batch_logps, advantages, train_len,
                        weights_N=keep)
     t0 = time.perf_counter()
