@@ -41,13 +41,13 @@ def test_default_builds_a_model_config():
 @pytest.mark.parametrize("key,value,message", [
     ("rl.lr", -1e-3, r"rl.lr=-0.001 must be >= 0"),
     ("rl.max_grad_norm", -1.0, r"rl.max_grad_norm=-1.0 must be > 0"),
-    ("rollout.group_size", 1, r"rollout.group_size=1 with rl.algorithm='grpo' makes every "
-                              r"advantage 0"),
+    ("rollout.group_size", 1, (r"rollout.group_size=1 with rl.algorithm='grpo' makes every "
+                               r"advantage 0")),
     ("lora.alpha", 0.0, r"lora.alpha=0.0 must be > 0"),
     ("eval.samples", 0, r"eval.samples=0 and eval.num_problems=256 must be >= 1"),
     ("lora.targets", (), r"lora.targets=\(\) names no layer"),
-    ("tlt.fixed_arm", "chain3", r"tlt.fixed_arm='chain3' is not one of the arms \['chain2', "
-                                r"'chain4', 'off'\]"),
+    ("tlt.fixed_arm", "chain3", (r"tlt.fixed_arm='chain3' is not one of the arms \['chain2', "
+                                 r"'chain4', 'off'\]")),
     ("tlt.arms", "chain2,chian4", r"tlt.arms='chain2,chian4': unknown SD arm 'chian4'"),
 ])
 def test_values_that_change_the_run_s_meaning_are_refused_by_key(key, value, message):

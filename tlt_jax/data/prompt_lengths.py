@@ -8,7 +8,7 @@ counted, `data.on_error="skip"`) instead of failing in the rollout of whichever 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from tlt_jax.data.sources import DataError
 

@@ -490,7 +490,7 @@ class Trainer:
     if prep_stats:
       out.update(_token_weighted(prep_stats))
     for k in ("is_weight_max", "logp_abs_diff_max"):
-      out[k] = max(float(s[k]) for s in (prep_stats or sum(update_stats, [])))
+      out[k] = max(float(s[k]) for s in (prep_stats or [s for u in update_stats for s in u]))
     out["grad_norm"] = float(np.mean(grad_norms))
     out["train_tokens_padded"] = int(sum(dev[0].shape[0] * dev[0].shape[1]
                                          for chunk_list in plan for dev, _ in chunk_list))
@@ -509,7 +509,7 @@ def _update_stats(updates: list[list[dict]]) -> dict[str, float]:
   """Per update (minibatch) its loss terms: the sums of its chunks' shares, so the logged loss is
   the one whose gradient was applied; averaged over the updates. The per-token statistics:
   weighted by the chunks' response tokens."""
-  out = _token_weighted(sum(updates, []))
+  out = _token_weighted([s for chunks in updates for s in chunks])
   for k in _LOSS_TERMS:
     if k in updates[0][0]:
       out[k] = float(np.mean([sum(float(s[k]) for s in chunks) for chunks in updates]))
