@@ -473,7 +473,7 @@ class Trainer:
     if not self.single_update:  # log-probs at the sampling-time parameters, before any update
       for chunk_list in plan:
         prepared.append([])
-        for dev, w in chunk_list:
+        for dev, _ in chunk_list:
           old_logp, is_w, ref_logp, st = self._prepare(self.trainable, self.frozen,
                                                        self.reference, *dev[:3])
           prepared[-1].append((old_logp, is_w, ref_logp))
