@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -106,30 +107,55 @@ def test_paper_model_sizes_and_kv_cache():
 
 
 def test_exact_tensor_parallelism_counts_its_whole_activations():
-  """mesh.model = 4, batch-invariant: without rl.tp_regather the exact split keeps o_proj's and
+  """mesh.model = 2, batch-invariant: without rl.tp_regather the exact split keeps o_proj's and
   down_proj's gathered inputs (every layer) and the logits whole on each device, where XLA's
-  split keeps a quarter; with it, the backward gathers and recomputes them instead, the
-  vocabulary head a chunk of tokens at a time."""
-  exact = _plan("qwen2_5_7b_8gpu.py")  # rl.tp_regather=True, the default
-  c = _config("qwen2_5_7b_8gpu.py")
-  c.plan.lower_layers, c.rl.tp_regather = 1, False
-  kept = plan_lib.plan(c, name="inputs kept")
+  split keeps half; with it, the backward gathers and recomputes them instead. What the plan
+  says regathering saves is checked against XLA, not against its own formula: the trainer's
+  gradient program for a small model with big o_proj / down_proj inputs, compiled on 8 host
+  devices both ways. XLA:CPU's buffer assignment realized 60% of the count here (2026-12-05);
+  the bounds still fail a count twice too large (the 1 - 1/model share forgotten) or missing
+  down_proj's input (a fifth of it)."""
+  from tlt_jax import mesh as mesh_lib
+  from tlt_jax import ops
+  from tlt_jax.model.transformer import Transformer
+  from tlt_jax.rl.trainer import TrainConfig, Trainer, make_batch
+
+  c = config_lib.default_config()
+  c.numerics = "batch_invariant"
+  c.model.update({"vocab_size": 32, "hidden_size": 32, "intermediate_size": 8192,
+                  "num_layers": 4, "num_heads": 16, "num_kv_heads": 2, "head_dim": 128})
+  c.mesh.data, c.mesh.fsdp, c.mesh.model = 4, 1, 2
+  c.plan.device_count, c.rl.chunk_rows = 8, 8
+  c.rollout.max_prompt_len, c.rollout.max_new_tokens = 8, 8
+  planned, temp = {}, {}
+  with on_devices(8) as devices, ops.numerics_mode("batch_invariant", "blocked_jax"):
+    mesh = mesh_lib.make_mesh(data=4, fsdp=1, model=2, devices=devices)
+    rng = np.random.default_rng(0)
+    T = c.rollout.max_prompt_len + c.rollout.max_new_tokens
+    batch = make_batch([rng.integers(0, 32, 8).tolist() for _ in range(8)],
+                       [rng.integers(0, 32, 8) for _ in range(8)],
+                       [np.zeros(8, np.float32) for _ in range(8)], np.ones(8, np.float32), T)
+    for regather in (False, True):
+      c.rl.tp_regather = regather
+      result = plan_lib.plan(c, name=f"regather={regather}", lower=False)
+      planned[regather] = _row(result, "train activations")["device_bytes"]
+      sharding = _row(result, "train activations")["sharding"]
+      assert ("recomputes the logits, whole, in head chunks" in sharding) == regather
+      assert ("o_proj/down_proj inputs and logits whole" in sharding) != regather
+      model = lora.apply_lora(Transformer(config_lib.model_config(c), nnx.Rngs(0)),
+                              rank=c.lora.rank, alpha=c.lora.alpha)
+      trainer = Trainer(model, TrainConfig(chunk_rows=8, length_bucket=T, tp_regather=regather),
+                        mesh=mesh)
+      (dev, weight), = trainer.plan(batch)[0]
+      assert dev[0].shape == (8, T)
+      compiled = trainer._grad.lower(trainer.trainable, trainer.frozen, trainer.reference,
+                                     weight, *dev, None, None, None).compile()
+      temp[regather] = compiled.memory_analysis().temp_size_in_bytes
+  saved_planned, saved_measured = planned[False] - planned[True], temp[False] - temp[True]
+  assert saved_planned > 0
+  assert 0.5 * saved_planned <= saved_measured <= 1.1 * saved_planned, (saved_planned, temp)
   c.rl.exact_tensor_parallel = False
-  xla = plan_lib.plan(c, name="xla split")
-  m, T = c.model, c.rollout.max_prompt_len + c.rollout.max_new_tokens
-  rows = c.rl.chunk_rows // (c.mesh.data * c.mesh.fsdp)
-  inputs = rows * T * m.num_layers * (m.num_heads * m.head_dim + m.intermediate_size) * 2
-  logits = rows * T * m.vocab_size * 4
-  train = lambda plan: _row(plan, "train activations")["device_bytes"]  # noqa: E731
-  # Backward transients: kept, the whole rows' dlogits; regathered, the head's chunk of 1024
-  # tokens, under one layer's attention scores here.
-  scores = 3 * rows * (m.num_heads // c.mesh.model) * T * T * 4
-  transient_kept, transient_exact = 2 * logits, max(scores, 2 * rows * 1024 * m.vocab_size * 4)
-  assert train(kept) - train(exact) == pytest.approx(
-      0.75 * (inputs + logits) + transient_kept - transient_exact, rel=1e-9)
-  assert "recomputes the logits, whole, in head chunks" in _row(exact, "train activations")[
-      "sharding"]
-  assert "o_proj/down_proj inputs and logits whole" in _row(kept, "train activations")["sharding"]
+  xla = plan_lib.plan(c, name="xla split", lower=False)
   assert "exact" not in _row(xla, "train activations")["sharding"]
 
 

@@ -203,81 +203,108 @@ def test_tensor_parallel_groups_are_bitwise_the_unsplit_engine():
     assert list(cache.k[0].mesh.devices.flat) == devices[2:4]
 
 
-def _exact_first_two_token_probs(target, prompt, params):
-  """p(t1, t2 | prompt) from plain forwards (the distribution rejection sampling must hit)."""
+def _exact_first_three_token_probs(target, prompt, params):
+  """p(t1, t2, t3 | prompt) from plain forwards (the distribution rejection sampling must hit).
+  A sample ends at EOS: its remaining tokens are counted as 0, so the cell (EOS, 0, 0) holds
+  p(t1 = EOS) and (a, EOS, 0) holds p(a, EOS)."""
   from tlt_jax.rollout.sampling import masked_logits  # noqa: PLC0415
+  P = len(prompt)
   with ops.numerics_mode("batch_invariant"):
-    seqs = np.array([prompt + [t] for t in range(VOCAB)], np.int32)
+    seqs = np.array([prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)], np.int32)
     logits = target(jnp.asarray(seqs)).logits_BxTxV
-    p1 = jax.nn.softmax(masked_logits(logits[0, len(prompt) - 1][None], params))[0]
-    p2 = jax.nn.softmax(masked_logits(logits[:, len(prompt)], params))
-  return np.asarray(p1[:, None] * p2, np.float64)
+    probs = lambda x: np.asarray(jax.nn.softmax(masked_logits(x, params)), np.float64)  # noqa: E731
+    p1 = probs(logits[0, P - 1][None])[0]                        # [V]
+    p2 = probs(logits[::VOCAB, P])                               # [V, V]: row a = prompt + [a]
+    p3 = probs(logits[:, P + 1]).reshape(VOCAB, VOCAB, VOCAB)    # [V, V, V]
+  joint = p1[:, None, None] * p2[:, :, None] * p3
+  joint[:, EOS] = 0.0
+  joint[:, EOS, 0] = p1 * p2[:, EOS]  # ended after two tokens
+  joint[EOS] = 0.0
+  joint[EOS, 0, 0] = p1[EOS]          # ended after one
+  return joint / joint.sum()  # f32 softmax rounding
 
 
-def _first_two_counts(engine, prompt, n):
+def _first_three_counts(engine, prompt, n):
   with ops.numerics_mode("batch_invariant"):
-    samples = engine.generate([prompt], group_size=n, arm="chain2", max_new_tokens=2)
-  counts = np.zeros((VOCAB, VOCAB))
+    samples = engine.generate([prompt], group_size=n, arm="chain2", max_new_tokens=3)
+  counts = np.zeros((VOCAB, VOCAB, VOCAB))
   for s in samples:
-    if len(s.tokens) == 2:
-      counts[s.tokens[0], s.tokens[1]] += 1
-    else:  # EOS first: count it with its own row
-      counts[s.tokens[0], 0] += 1
+    counts[tuple(np.pad(s.tokens, (0, 3 - len(s.tokens))))] += 1
   return counts
 
 
 def _chi2_pvalue(counts, probs):
-  """Chi-square over (t1, t2) cells; an EOS first token ends the sample: one cell (EOS, 0)."""
-  probs = probs.copy()
-  eos_first = probs[EOS].sum()
-  probs[EOS, :] = 0.0
-  probs[EOS, 0] = eos_first
-  probs /= probs.sum()  # f32 softmax rounding
-  impossible = probs == 0.0  # the EOS row's other cells
+  """Chi-square over (t1, t2, t3) cells; cells expecting fewer than 5 are pooled into one."""
+  impossible = probs == 0.0
   if counts[impossible].any():
     return 0.0
   counts, probs = counts[~impossible], probs[~impossible]
-  keep = probs.reshape(-1) * counts.sum() >= 5
-  observed, expected = counts.reshape(-1)[keep], probs.reshape(-1)[keep] * counts.sum()
-  if not keep.all():  # cells too rare for the test are pooled into one
-    observed = np.append(observed, counts.reshape(-1)[~keep].sum())
-    expected = np.append(expected, probs.reshape(-1)[~keep].sum() * counts.sum())
+  keep = probs * counts.sum() >= 5
+  observed, expected = counts[keep], probs[keep] * counts.sum()
+  if not keep.all():
+    observed = np.append(observed, counts[~keep].sum())
+    expected = np.append(expected, probs[~keep].sum() * counts.sum())
   return scipy.stats.chisquare(observed, expected).pvalue
 
 
 def _rejection_engine():
   target, draft = _models()
-  cfg = dataclasses.replace(CFG, buckets=(64,), verification="rejection", max_new_tokens=2,
+  cfg = dataclasses.replace(CFG, buckets=(64,), verification="rejection", max_new_tokens=3,
                             chunk_steps=1, arms=(Arm(OFF), Arm("chain2", 2)))
   return target, RolloutEngine(target, cfg, draft)
 
 
+PROMPT = [1, 5, 7]
+
+
 def test_rejection_sampling_matches_the_target_distribution():
+  """The first token comes from the prefill; the next two from one chain2 round: the first and
+  the second draft position (accepted with prob min(1, p/q), else a sample of
+  norm(max(p - q, 0))), or the bonus / a second round after a rejection."""
   target, engine = _rejection_engine()
-  prompt = [1, 5, 7]
-  counts = _first_two_counts(engine, prompt, 20_000)
-  probs = _exact_first_two_token_probs(target, prompt, CFG.sampling)
-  # The first token comes from the prefill; the second is the speculative-sampling outcome
-  # (the first draft accepted with prob min(1, p/q), else a sample of norm(max(p - q, 0))).
-  assert _chi2_pvalue(counts, probs) > 0.01
+  counts = _first_three_counts(engine, PROMPT, 20_000)
+  assert _chi2_pvalue(counts, _exact_first_three_token_probs(target, PROMPT, CFG.sampling)) > 0.01
 
 
-def test_a_broken_acceptance_rule_fails_the_distribution_test(monkeypatch):
+def _broken_rule(monkeypatch, position):
+  """The acceptance rule with every draft at `position` (0-based) accepted: the test above must
+  fail for a fault at either draft position."""
   original = steps_lib._rejection_emit
 
-  def accept_everything(s, seed, depth, drafts_BxK, *rest):
-    _, accept = original(s, seed, depth, drafts_BxK, *rest)
-    bonus = rest[-1][:, -1:]
-    return jnp.concatenate([drafts_BxK, bonus], axis=1), jnp.ones_like(accept)
+  def accept_at_position(s, seed, depth, drafts_BxK, *rest):
+    emitted, accept = original(s, seed, depth, drafts_BxK, *rest)
+    accept = accept.at[:, position].set(True)
+    first_reject = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+    # From the first rejection on, `emitted` is already the resample (or the bonus).
+    i = jnp.arange(depth + 1)[None, :]
+    drafts = jnp.concatenate([drafts_BxK, emitted[:, -1:]], axis=1)  # last column never taken
+    return jnp.where(i < first_reject[:, None], drafts, emitted), accept
 
-  monkeypatch.setattr(steps_lib, "_rejection_emit", accept_everything)
+  monkeypatch.setattr(steps_lib, "_rejection_emit", accept_at_position)
   # Engines share compiled programs: the patched rule gets programs of its own, dropped after.
   monkeypatch.setattr(programs_lib, "_SHARED_PROGRAMS", collections.OrderedDict())
+
+
+@pytest.mark.parametrize("position", [0, 1])
+def test_a_broken_acceptance_rule_fails_the_distribution_test(monkeypatch, position):
+  _broken_rule(monkeypatch, position)
   target, engine = _rejection_engine()
-  prompt = [1, 5, 7]
-  counts = _first_two_counts(engine, prompt, 20_000)
-  probs = _exact_first_two_token_probs(target, prompt, CFG.sampling)
-  assert _chi2_pvalue(counts, probs) < 0.01
+  counts = _first_three_counts(engine, PROMPT, 20_000)
+  assert _chi2_pvalue(counts, _exact_first_three_token_probs(target, PROMPT, CFG.sampling)) < 0.01
+
+
+@pytest.mark.parametrize("arm", ["chain2", "chain4"])
+def test_rejection_verification_at_temperature_0_is_greedy_decoding(arm):
+  """T = 0 is greedy on every path: speculative sampling with rejection verification emits the
+  plain greedy decode token for token (it sampled from softmax(logits) instead: a check found
+  71 of 200 positions off greedy)."""
+  greedy = dataclasses.replace(CFG, sampling=SamplingParams(temperature=0.0))
+  _, reference = _run(greedy, arm=OFF)
+  rejection = dataclasses.replace(greedy, verification="rejection",
+                                  arms=(Arm(OFF), Arm("chain2", 2), Arm("chain4", 4)))
+  engine, samples = _run(rejection, arm=arm)
+  assert any(t.arm == arm for t in engine.trace)
+  _assert_same(reference, samples)
 
 
 def test_tuner_picks_off_when_sd_is_slower_and_the_best_arm_otherwise():

@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from experiments import sweep
+from tlt_jax import metrics
 
 from conftest import TINY_ARITH_CONFIG
 
@@ -48,11 +50,16 @@ def test_sweep_writes_table_and_plot_and_reports_a_failed_point(tmp_path):
   assert [(r["set:rl.algorithm"], r["status"]) for r in rows] == [("grpo", "ok"),
                                                                   ("bogus", "failed")]
   ok, failed = rows
-  assert 0.0 <= float(ok["eval_accuracy_after"]) <= 1.0 and float(ok["step_s_mean"]) > 0
   assert "bogus" in failed["error"]
   assert ok["workdir"] == "points/rl.algorithm=grpo"
   with open(out / ok["workdir"] / "summary.json") as f:
-    assert json.load(f)["steps"] == 2
+    point = json.load(f)
+  assert point["steps"] == 2
+  # The table's figures are the point's own (its summary, its per-step metrics).
+  assert float(ok["eval_accuracy_after"]) == point["eval_accuracy_after"]
+  steps = [r for r in metrics.read_jsonl(out / ok["workdir"] / "metrics.jsonl")
+           if "reward_mean" in r]
+  assert float(ok["step_s_mean"]) == pytest.approx(np.mean([r["step_s"] for r in steps]))
   table = (out / "results.md").read_text()
   assert "| rl.algorithm | status |" in table and "| grpo | ok |" in table
   assert "Failed points:" in table and "`rl.algorithm=bogus`" in table

@@ -38,9 +38,16 @@ def test_smoke_run_writes_its_outputs(smoke_run):
   workdir, summary = smoke_run
   with open(os.path.join(workdir, "summary.json")) as f:
     assert json.load(f)["eval_accuracy_after"] == summary["eval_accuracy_after"]
-  for key in ("eval_accuracy_before", "eval_accuracy_after", "steps", "wall_s", "rollout_s",
-              "train_s", "kl_sample_train_max"):
-    assert summary[key] is not None
+  # The summary's figures are the per-step records' (metrics.jsonl), not merely present.
+  records = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  steps = [r for r in records if "reward_mean" in r]
+  evals = [r["eval_accuracy"] for r in records if "eval_accuracy" in r]
+  assert summary["steps"] == len(steps) == 6
+  assert (summary["eval_accuracy_before"], summary["eval_accuracy_after"]) == (evals[0], evals[-1])
+  for key in ("rollout_s", "train_s"):
+    assert summary[key] == pytest.approx(sum(r[key] for r in steps), rel=1e-9), key
+  assert summary["kl_sample_train_max"] == max(abs(r["kl_sample_train"]) for r in steps)
+  assert summary["wall_s"] > summary["rollout_s"] + summary["train_s"] > 0
   assert set(summary["plots"]) == {"plots/reward_accuracy.png", "plots/response_length.png",
                                    "plots/time_split.png", "plots/live_slots.png"}
   scalars = metrics.read_tensorboard_scalars(os.path.join(workdir, "tb"))

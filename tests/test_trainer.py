@@ -1,5 +1,7 @@
-"""The RL train step: chunked (length-bucketed) gradients equal the whole batch's, against an
-independent pure-JAX loss; on-policy statistics; the LoRA-off reference; NaN safety; full FT."""
+"""The RL train step: chunked (length-bucketed) gradients equal the whole batch's, against the
+paper's loss written out here (not the project's loss code); the KL term and the logged loss do
+not depend on the chunking; top-k / top-p runs update and match the sampler's distribution;
+on-policy statistics; the LoRA-off reference; NaN safety; full FT."""
 
 import dataclasses
 
@@ -14,9 +16,8 @@ from tests.conftest import on_devices
 from tlt_jax import ops
 from tlt_jax.model import lora
 from tlt_jax.model.transformer import ModelConfig, Transformer
-from tlt_jax.rl import algorithms
 from tlt_jax.rl.trainer import TrainConfig, Trainer, make_batch, policy_logprobs
-from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.sampling import SamplingParams, sample_and_logprob, sample_from_masked
 
 CFG = ModelConfig(arch="qwen3", vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
                   num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, tie_embeddings=True)
@@ -51,25 +52,47 @@ def _batch(model, n=8):
   return make_batch(prompts, responses, sampler, adv, L), prompts, responses, adv
 
 
-def _reference_grad(model, batch, loss_name):
-  """The loss over the whole padded batch, written directly (no chunks, no trainer)."""
+def _paper_loss(logp, logp_old, logp_ref, adv, mask, loss_name, kl_coef=0.0, xp=jnp):
+  """The clipped surrogate (PPO; GRPO, DeepSeekMath eq. 3: eps 0.2 and the mean over sequences
+  of token means; DAPO eq. 8: clip-higher 0.28 and one token mean over the batch) plus
+  kl_coef x the k3 estimator (Schulman) aggregated the same way, on response tokens only."""
+  m = mask.astype(np.float32)
+  eps_high = {"grpo": 0.2, "ppo": 0.28}[loss_name]
+  ratio = xp.exp(xp.where(mask, logp - logp_old, 0.0))
+  a = adv[:, None]
+  per_token = -xp.minimum(ratio * a, xp.clip(ratio, 0.8, 1.0 + eps_high) * a)
+  if kl_coef:
+    d = xp.where(mask, logp_ref - logp, 0.0)
+    per_token = per_token + kl_coef * (xp.exp(d) - d - 1.0)
+  if loss_name == "ppo":
+    return xp.sum(per_token * m) / m.sum()
+  return xp.mean(xp.sum(per_token * m, axis=1) / xp.maximum(m.sum(axis=1), 1.0))
+
+
+def _reference_grad(model, batch, loss_name, kl_coef=0.0):
+  """The loss over the whole padded batch, written directly (no chunks, no trainer, no
+  project loss code); returns (gradient, loss)."""
   graphdef, params, rest = nnx.split(model, nnx.LoRAParam, ...)
+  tokens = jnp.asarray(batch.tokens_NxL)
+  mask = jnp.asarray(batch.mask_NxT)
+  ref = None
+  if kl_coef:  # the reference: LoRA off
+    zero = jax.tree.map(jnp.zeros_like, params)
+    ref = policy_logprobs(nnx.merge(graphdef, zero, rest), tokens, SAMPLING)[0]
 
   def loss(p):
-    logp, _ = policy_logprobs(nnx.merge(graphdef, p, rest), jnp.asarray(batch.tokens_NxL),
-                              SAMPLING)
-    value, _ = algorithms.LOSSES[loss_name](logp, jax.lax.stop_gradient(logp),
-                                            jnp.asarray(batch.advantages_N),
-                                            jnp.asarray(batch.mask_NxT))
-    return value
-  return jax.grad(loss)(params)
+    logp, _ = policy_logprobs(nnx.merge(graphdef, p, rest), tokens, SAMPLING)
+    return _paper_loss(logp, jax.lax.stop_gradient(logp), ref,
+                       jnp.asarray(batch.advantages_N), mask, loss_name, kl_coef)
+  value, grad = jax.value_and_grad(loss)(params)
+  return grad, float(value)
 
 
 @pytest.mark.parametrize("loss_name", ["grpo", "ppo"])  # a per-sequence and a per-token mean
 def test_chunked_gradients_equal_the_whole_batch(loss_name):
   model = _model()
   batch, *_ = _batch(model)
-  expected = _reference_grad(model, batch, loss_name)
+  expected, _ = _reference_grad(model, batch, loss_name)
   for rows, bucket in ((8, 32), (3, 8)):  # one chunk; chunks of two lengths with padding rows
     trainer = Trainer(model, TrainConfig(loss=loss_name, chunk_rows=rows, length_bucket=bucket,
                                          sampling=SAMPLING, tis_cap=0.0))
@@ -80,6 +103,117 @@ def test_chunked_gradients_equal_the_whole_batch(loss_name):
     for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
       np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=2e-5, atol=1e-7)
   assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(expected)) > 1e-3
+
+
+@pytest.mark.parametrize("loss_name", ["grpo", "ppo"])
+def test_kl_term_and_logged_loss_do_not_depend_on_chunk_rows(loss_name):
+  """rl.kl_coef > 0: the KL term follows the loss's own aggregation, so chunks of 8 rows (one
+  chunk) and of 3 rows (three chunks, one padding row) have the whole batch's gradient; the
+  logged pg_loss / kl_ref / loss are the whole batch's, unshrunk by the padding row (NumPy)."""
+  model = _model()
+  batch, *_ = _batch(model)
+  expected, _ = _reference_grad(model, batch, loss_name, kl_coef=0.5)
+  # The logged values, in NumPy from the two models' log-probs (policy and LoRA off).
+  tokens = jnp.asarray(batch.tokens_NxL)
+  logp = np.asarray(jax.jit(lambda t: policy_logprobs(model, t, SAMPLING))(tokens)[0], np.float64)
+  base = _model(with_lora=False)
+  ref = np.asarray(jax.jit(lambda t: policy_logprobs(base, t, SAMPLING))(tokens)[0], np.float64)
+  adv, mask = batch.advantages_N.astype(np.float64), batch.mask_NxT
+  pg = _paper_loss(logp, logp, ref, adv, mask, loss_name, xp=np)
+  total = _paper_loss(logp, logp, ref, adv, mask, loss_name, kl_coef=0.5, xp=np)
+  for rows in (8, 3):
+    cfg = TrainConfig(loss=loss_name, chunk_rows=rows, length_bucket=8, sampling=SAMPLING,
+                      tis_cap=0.0, kl_coef=0.5)
+    trainer = Trainer(_model(), cfg)
+    grads, _ = trainer.gradients(trainer.plan(batch)[0])
+    for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=2e-5, atol=1e-7)
+    stats = trainer.step(batch)
+    np.testing.assert_allclose(stats["pg_loss"], pg, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(stats["loss"], total, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(stats["kl_ref"], (total - pg) / 0.5, rtol=1e-4, atol=1e-7)
+  assert (total - pg) / 0.5 > 1e-3  # the policy really is away from the reference
+
+
+def _sample_batch(model, sampling, n=8, seed=0):
+  """Responses drawn by the sampler's own function (`sample_and_logprob`) token by token from
+  full forwards: prompts of 3 tokens, 1..12 response tokens; advantages of mixed sign."""
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(0, 32, 3).tolist() for _ in range(n)]
+  lengths = rng.integers(1, 13, n)
+  step = jax.jit(lambda t, pos, ids: sample_and_logprob(
+      model(t).logits_BxTxV[jnp.arange(n), pos], 7, ids, pos, sampling))
+  tokens = np.zeros((n, L), np.int32)
+  tokens[:, :3] = prompts
+  logps = np.zeros((n, L), np.float32)
+  for t in range(3, 3 + int(lengths.max())):
+    tok, lp = step(jnp.asarray(tokens), jnp.full((n,), t - 1), jnp.arange(n))
+    tokens[:, t], logps[:, t] = np.asarray(tok), np.asarray(lp)
+  responses = [tokens[i, 3:3 + k] for i, k in enumerate(lengths)]
+  sampler = [logps[i, 3:3 + k] for i, k in enumerate(lengths)]
+  adv = rng.standard_normal(n).astype(np.float32)
+  return make_batch(prompts, responses, sampler, adv, L)
+
+
+TOP_K_P = SamplingParams(temperature=0.8, top_k=5, top_p=0.8)
+
+
+@pytest.mark.parametrize("algorithm,minibatches", [("grpo", 1), ("dapo", 2)])
+def test_top_k_top_p_step_is_finite_and_updates(algorithm, minibatches):
+  """With top-k / top-p the prompt and padding tokens outside the kept set have log-prob -inf;
+  masked before any ratio, the step is finite (it raised FloatingPointError every step) and
+  moves every parameter; the trainer's log-probs of the sampled tokens are the sampler's."""
+  model = _model()
+  batch = _sample_batch(model, TOP_K_P)
+  logp, _ = jax.jit(lambda t: policy_logprobs(model, t, TOP_K_P))(jnp.asarray(batch.tokens_NxL))
+  logp = np.asarray(logp)
+  assert np.isneginf(logp[~batch.mask_NxT]).any()  # the case: -inf outside the response
+  np.testing.assert_allclose(logp[batch.mask_NxT], batch.sampler_logp_NxT[batch.mask_NxT],
+                             rtol=1e-5, atol=1e-6)
+  trainer = Trainer(_model(), TrainConfig(algorithm=algorithm, minibatches=minibatches,
+                                          epochs=minibatches, chunk_rows=3, length_bucket=8,
+                                          sampling=TOP_K_P, kl_coef=0.1))
+  before = jax.tree.map(np.asarray, trainer.trainable)
+  stats = trainer.step(batch)
+  assert all(np.isfinite(v) for v in stats.values()), stats
+  assert stats["kl_sample_train"] < 1e-5 and stats["logp_abs_diff_max"] < 1e-5
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trainer.trainable)):
+    assert not np.array_equal(a, np.asarray(b))
+
+
+def test_sampler_and_trainer_top_k_top_p_distributions_agree():
+  """For one context: the trainer's probability of every next token equals top-k then top-p of
+  softmax(logits / T) in NumPy (the smallest set of most likely tokens reaching top_p, zero
+  outside), and 20000 draws of the sampler's Gumbel-argmax follow it (chi-square)."""
+  model = _model()
+  V = CFG.vocab_size
+  prompt = [5, 17, 3]
+  tokens_VxL = jnp.asarray([prompt + [v] for v in range(V)], jnp.int32)
+  trainer_p = np.exp(np.asarray(policy_logprobs(model, tokens_VxL, TOP_K_P)[0][:, 2],
+                                np.float64))
+  logits = np.asarray(model(tokens_VxL[:1]).logits_BxTxV[0, 2], np.float64)
+  z = logits / TOP_K_P.temperature
+  keep = z >= np.sort(z)[-TOP_K_P.top_k]
+  p = np.where(keep, np.exp(z - z.max()), 0.0)
+  p /= p.sum()
+  order = np.argsort(-p)
+  before = np.cumsum(p[order]) - p[order]
+  kept = np.zeros(V, bool)
+  kept[order[before < TOP_K_P.top_p]] = True
+  expected = np.where(kept, p, 0.0) / p[kept].sum()
+  assert 1 < kept.sum() < TOP_K_P.top_k  # both masks cut something here
+  np.testing.assert_allclose(trainer_p, expected, atol=1e-6)
+  assert np.all(trainer_p[~kept] == 0.0)
+  from tlt_jax.rollout.sampling import masked_logits
+  n = 20000
+  masked = masked_logits(jnp.asarray(logits, jnp.float32)[None], TOP_K_P)
+  draws = jax.jit(lambda ids: sample_from_masked(jnp.broadcast_to(masked, (n, V)), 3, ids,
+                                                 jnp.full((n,), 2), greedy=False))(jnp.arange(n))
+  counts = np.bincount(np.asarray(draws), minlength=V)
+  assert counts[~kept].sum() == 0
+  import scipy.stats
+  chi2 = float(np.sum((counts[kept] - n * expected[kept]) ** 2 / (n * expected[kept])))
+  assert chi2 < scipy.stats.chi2.ppf(0.999, kept.sum() - 1), (counts[kept], n * expected[kept])
 
 
 def test_on_policy_batch_has_zero_mismatch_and_unit_weights():
@@ -96,7 +230,9 @@ def test_on_policy_batch_has_zero_mismatch_and_unit_weights():
       moved = [not np.array_equal(a, np.asarray(b))
                for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trainer.trainable))]
       assert all(moved)
-    assert stats["clip_fraction"] >= 0.0 and np.isfinite(stats["grad_norm"])
+      if minibatches == 1:  # one update at the sampling-time parameters: every ratio is 1
+        assert stats["clip_fraction"] == 0.0
+    assert np.isfinite(stats["grad_norm"])
 
 
 def test_reference_is_the_model_with_lora_off():

@@ -7,6 +7,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from tlt_jax.model.transformer import ModelConfig, RopeScaling
+from tlt_jax.rollout import tuner
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -32,7 +33,6 @@ def default_config() -> ml_collections.ConfigDict:
       rank=8, alpha=32.0,
       targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, model=1))
-  c.generate = ml_collections.ConfigDict(dict(max_new_tokens=16, temperature=0.0, num_slots=64))
   # --- the RL job (python -m tlt_jax.train) ---
   c.workdir = ""  # "" = runs/<config name>-<time>
   c.data = ml_collections.ConfigDict(dict(
@@ -42,7 +42,7 @@ def default_config() -> ml_collections.ConfigDict:
       on_error="raise",  # malformed rows: "raise" (names file:line) | "skip" (counted)
       synthetic_mix="1:0.35,2:0.3,3:0.15,4:0.1,8:0.06,16:0.04",  # digits:share
       synthetic_ops="+",  # "+", "*" or "+*"
-      synthetic_train=20000, synthetic_eval=256,
+      synthetic_train=20000,  # held-out eval problems: eval.num_problems
       use_chat_template=True, system_prompt="",
       shuffle=True,
       # mixed math/code files: the row field naming its reward ("math" | "code"; absent = math),
@@ -147,9 +147,27 @@ def validate(c: ml_collections.ConfigDict) -> None:
                     f"model.num_kv_heads={m.num_kv_heads}")
   if c.lora.rank < 0:
     problems.append(f"lora.rank={c.lora.rank} must be >= 0 (0 = full fine-tuning)")
+  elif c.lora.rank > 0:
+    if c.lora.alpha <= 0:  # the adapters' scale alpha / rank: 0 trains nothing, < 0 flips it
+      problems.append(f"lora.alpha={c.lora.alpha} must be > 0 (the adapters scale by "
+                      "alpha / rank)")
+    if not tuple(c.lora.targets):
+      problems.append("lora.targets=() names no layer: set the layers to adapt, or "
+                      "lora.rank=0 for full fine-tuning")
+  if c.rl.lr < 0:
+    problems.append(f"rl.lr={c.rl.lr} must be >= 0 (a negative rate ascends the loss)")
+  if c.rl.max_grad_norm <= 0:
+    problems.append(f"rl.max_grad_norm={c.rl.max_grad_norm} must be > 0 (the global norm "
+                    "gradients are clipped to)")
+  if c.eval.samples < 1 or c.eval.num_problems < 1:
+    problems.append(f"eval.samples={c.eval.samples} and eval.num_problems="
+                    f"{c.eval.num_problems} must be >= 1")
   r = c.rollout
   if r.prompts_per_step < 1 or r.group_size < 1:
     problems.append("rollout.prompts_per_step and rollout.group_size must be >= 1")
+  elif r.group_size == 1:  # every estimator is group-relative (rl/algorithms.py)
+    problems.append(f"rollout.group_size=1 with rl.algorithm={c.rl.algorithm!r} makes every "
+                    "advantage 0 (a sample is compared with its group): use >= 2")
   elif (r.prompts_per_step * r.group_size) % c.rl.minibatches:
     problems.append(f"rollout.prompts_per_step x group_size = {r.prompts_per_step * r.group_size}"
                     f" sequences do not split into rl.minibatches={c.rl.minibatches}")
@@ -168,6 +186,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   stops = c.rollout.stop_strings
   if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
     problems.append(f"rollout.stop_strings={stops!r} must be a tuple of non-empty strings")
+  problems += _arm_problems(c.tlt)
   if c.tlt.drafter_numerics not in ("xla", "policy"):
     problems.append(f"tlt.drafter_numerics={c.tlt.drafter_numerics!r} must be 'xla' or 'policy'")
   if c.tlt.drafter_lr <= 0 or c.tlt.online_lr <= 0:
@@ -191,6 +210,19 @@ def validate(c: ml_collections.ConfigDict) -> None:
                     "equal share)")
   if problems:
     raise ValueError("invalid config: " + "; ".join(problems))
+
+
+def _arm_problems(t: ml_collections.ConfigDict) -> list[str]:
+  """tlt.arms must parse and tlt.fixed_arm name one of them (or "off"), checked even while
+  tlt.enabled=False: a typo must not wait for the run that turns SD on."""
+  try:
+    names = {a.name for a in tuner.parse_arms(t.arms)}
+  except ValueError as e:
+    return [f"tlt.arms={t.arms!r}: {e}"]
+  if t.fixed_arm and t.fixed_arm not in names:
+    return [f"tlt.fixed_arm={t.fixed_arm!r} is not one of the arms {sorted(names)} "
+            f"(tlt.arms={t.arms!r})"]
+  return []
 
 
 def model_config(c: ml_collections.ConfigDict) -> ModelConfig:

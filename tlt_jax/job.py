@@ -23,6 +23,7 @@ from tlt_jax import mesh as mesh_lib
 from tlt_jax.data import splits
 from tlt_jax.data.chat import PromptFormatter
 from tlt_jax.data.pipeline import prompt_dataset
+from tlt_jax.data.prompt_lengths import fit_prompts
 from tlt_jax.data.stop_strings import engine_detokenize
 from tlt_jax.model import hf, lora
 from tlt_jax.model.drafter import Drafter
@@ -201,6 +202,15 @@ def build(c, name: str = "run") -> Job:
   policy = load_policy(c)
   apply_lora(c, policy.model)
   train_rows, eval_rows, data_report = splits.load_rows(c)
+  # Prompts longer than rollout.max_prompt_len: named (file:line) now, not mid-run.
+  skipped = []
+  for rows in (train_rows, eval_rows):
+    rows[:], too_long = fit_prompts(rows, policy.formatter.encode, r.max_prompt_len,
+                                    c.data.on_error)
+    skipped += too_long
+  if skipped:
+    data_report.update(skipped_rows=data_report["skipped_rows"] + len(skipped),
+                       skipped_examples=(data_report.get("skipped_examples", []) + skipped)[:5])
   drafter = None
   if t.enabled:
     drafter = (load_drafter(t.drafter_init, policy.model.cfg) if t.drafter_init

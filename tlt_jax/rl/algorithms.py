@@ -7,7 +7,8 @@ Estimators (rewards [N] -> advantages [N]):
   grpo     (r - mean_group) / (std_group + eps), std with Bessel's correction (as TRL / verl)
   dr_grpo  r - mean_group (no std: Dr. GRPO removes the difficulty bias)
   rloo     r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean_group)
-  dapo     grpo's advantages; groups whose rewards are all equal are dropped by `mixed_groups`
+  dapo     grpo's advantages; groups whose answers are all right or all wrong are dropped
+           (`dynamic_sampling_weights`, on accuracy as in the paper, not on the shaped reward)
   gspo     grpo's advantages; the loss uses a sequence-level ratio
 Losses (aggregation in parentheses):
   ppo      token-level clipped ratio, eps_low / eps_high (clip-higher) (`token_mean`, DAPO)
@@ -22,6 +23,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ADVANTAGES: dict[str, Callable] = {}
 LOSSES: dict[str, Callable] = {}
@@ -40,37 +42,55 @@ def _groups(rewards_N: jax.Array, group_size: int) -> jax.Array:
   return rewards_N.reshape(-1, group_size).astype(jnp.float32)
 
 
+def _deviations(r_GxS):
+  """r - mean over each group, with the mean taken of differences from the group's first reward:
+  a group of equal rewards gets deviations exactly 0 even where the f32 mean of its values is
+  not exact (four 0.1s or 1.1s: a mean one ulp off, and an advantage of +-0.1 after dividing by
+  a std of a few ulps). It is also the more accurate sum when rewards are large."""
+  d = r_GxS - r_GxS[:, :1]
+  return d - d.mean(axis=1, keepdims=True)
+
+
 @_register(ADVANTAGES, "grpo")
 def grpo_advantages(rewards_N, group_size: int, eps: float = 1e-6):
-  r = _groups(rewards_N, group_size)
-  std = jnp.std(r, axis=1, keepdims=True, ddof=1) if group_size > 1 else jnp.zeros_like(r[:, :1])
-  return ((r - r.mean(axis=1, keepdims=True)) / (std + eps)).reshape(-1)
+  dev = _deviations(_groups(rewards_N, group_size))
+  std = (jnp.sqrt(jnp.sum(dev * dev, axis=1, keepdims=True) / (group_size - 1))
+         if group_size > 1 else jnp.zeros_like(dev[:, :1]))
+  return (dev / (std + eps)).reshape(-1)
 
 
 @_register(ADVANTAGES, "dr_grpo")
 def dr_grpo_advantages(rewards_N, group_size: int):
-  r = _groups(rewards_N, group_size)
-  return (r - r.mean(axis=1, keepdims=True)).reshape(-1)
+  return _deviations(_groups(rewards_N, group_size)).reshape(-1)
 
 
 @_register(ADVANTAGES, "rloo")
 def rloo_advantages(rewards_N, group_size: int):
   if group_size < 2:
     raise ValueError("rloo needs groups of at least 2")
-  r = _groups(rewards_N, group_size)
-  others = (r.sum(axis=1, keepdims=True) - r) / (group_size - 1)
-  return (r - others).reshape(-1)
+  # r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean_group)
+  return (_deviations(_groups(rewards_N, group_size)) * (group_size / (group_size - 1))).reshape(-1)
 
 
 ADVANTAGES["dapo"] = grpo_advantages
 ADVANTAGES["gspo"] = grpo_advantages
 
 
-def mixed_groups(rewards_N, group_size: int) -> jax.Array:
-  """DAPO dynamic sampling: True for the sequences of groups with at least two distinct rewards."""
-  r = _groups(rewards_N, group_size)
+def mixed_groups(values_N, group_size: int) -> jax.Array:
+  """True for the sequences of groups with at least two distinct values."""
+  r = _groups(values_N, group_size)
   mixed = jnp.any(r != r[:, :1], axis=1)
   return jnp.repeat(mixed, group_size)
+
+
+def dynamic_sampling_weights(algorithm: str, correct_N, group_size: int):
+  """Per-sequence loss weights (None = all 1): DAPO's dynamic sampling drops the groups whose
+  answers are all correct or all wrong. It filters on accuracy (DAPO, eq. 11: 0 < |{correct}| <
+  G), not on the shaped reward: a format bonus or an overlong penalty makes a group of equal
+  accuracy look mixed, and its advantages then only teach the shaping."""
+  if algorithm != "dapo":
+    return None
+  return np.asarray(mixed_groups(np.asarray(correct_N) > 0, group_size), np.float32)
 
 
 def overlong_penalty(lengths_N, max_len: int, buffer: int) -> jax.Array:
@@ -95,17 +115,28 @@ def aggregate(loss_NxT, mask_NxT, mode: str, max_len: int | None = None):
 
 
 def _clipped(ratio, adv, eps_low, eps_high):
-  return -jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv)
+  """The clipped surrogate's loss and where the clipped term is the one taken (its gradient 0):
+  ratio above 1 + eps_high for a positive advantage, below 1 - eps_low for a negative one (the
+  other side is pessimistic and unclipped; verl's pg_clipfrac)."""
+  unclipped = -ratio * adv
+  clipped = -jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+  return jnp.maximum(unclipped, clipped), clipped > unclipped
+
+
+def _log_ratio(logp_NxT, logp_old_NxT, mask_NxT):
+  """log(pi / pi_old) on response tokens, 0 elsewhere. Masked before the exp: with top-k / top-p
+  a prompt or padding token outside the kept set has log-prob -inf under both, and
+  exp(-inf - -inf) * 0 is NaN in the loss and in its gradient."""
+  return jnp.where(mask_NxT, logp_NxT - logp_old_NxT, 0.0)
 
 
 def _token_clip_loss(logp_NxT, logp_old_NxT, adv_N, mask_NxT, eps_low, eps_high, agg, max_len,
                      weights_NxT=None):
-  ratio = jnp.exp(logp_NxT - logp_old_NxT)
-  loss = _clipped(ratio, adv_N[:, None], eps_low, eps_high)
+  ratio = jnp.exp(_log_ratio(logp_NxT, logp_old_NxT, mask_NxT))
+  loss, clipped = _clipped(ratio, adv_N[:, None], eps_low, eps_high)
   if weights_NxT is not None:  # truncated importance weights (exactly 1.0 when on-policy)
     loss = loss * weights_NxT
-  clipped = (jnp.abs(ratio - 1.0) > jnp.where(adv_N[:, None] >= 0, eps_high, eps_low)) & mask_NxT
-  stats = {"clip_fraction": jnp.sum(clipped) / jnp.maximum(jnp.sum(mask_NxT), 1)}
+  stats = {"clip_fraction": jnp.sum(clipped & mask_NxT) / jnp.maximum(jnp.sum(mask_NxT), 1)}
   return aggregate(loss, mask_NxT, agg, max_len), stats
 
 
@@ -140,30 +171,38 @@ def gspo_loss(logp_NxT, logp_old_NxT, adv_N, mask_NxT, *, eps_low=3e-4, eps_high
   del max_len
   m = mask_NxT.astype(jnp.float32)
   n_N = jnp.maximum(m.sum(axis=1), 1.0)
-  log_ratio = jnp.sum((logp_NxT - logp_old_NxT) * m, axis=1) / n_N
+  log_ratio = jnp.sum(_log_ratio(logp_NxT, logp_old_NxT, mask_NxT), axis=1) / n_N
   ratio = jnp.exp(log_ratio)
-  loss = _clipped(ratio, adv_N, eps_low, eps_high)
+  loss, clipped = _clipped(ratio, adv_N, eps_low, eps_high)
   if weights_NxT is not None:  # a sequence's weight: the mean of its tokens' weights
-    loss = loss * jnp.sum(weights_NxT * m, axis=1) / n_N
-  clipped = jnp.abs(ratio - 1.0) > jnp.where(adv_N >= 0, eps_high, eps_low)
-  return loss.mean(), {"clip_fraction": clipped.mean()}
+    loss = loss * jnp.sum(jnp.where(mask_NxT, weights_NxT, 0.0), axis=1) / n_N
+  real_N = jnp.any(mask_NxT, axis=1)  # padding rows of a chunk are neither clipped nor counted
+  return loss.mean(), {"clip_fraction": jnp.sum(clipped & real_N) / jnp.maximum(real_N.sum(), 1)}
 
 
-# How each loss normalises, so a batch can be split into chunks whose gradients add up to the
-# whole batch's: "tokens" losses divide by the number of response tokens, "sequences" losses by
-# the number of rows.
-LOSS_NORMALISER = {"ppo": "tokens", "dapo": "tokens", "grpo": "sequences", "rloo": "sequences",
-                   "dr_grpo": "sequences", "gspo": "sequences"}
+# How each loss aggregates over tokens and rows; the KL term follows its loss's (as in verl and
+# TRL), so a batch cut into chunks has the same objective as the whole batch. "token_mean"
+# losses divide by the number of response tokens, the others by the number of rows: a chunk's
+# loss weight (trainer.plan) is its share of the one or the other.
+LOSS_AGGREGATION = {"ppo": "token_mean", "dapo": "token_mean", "grpo": "seq_mean_token_mean",
+                    "rloo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm",
+                    "gspo": "seq_mean_token_mean"}
+LOSS_NORMALISER = {name: "tokens" if agg == "token_mean" else "sequences"
+                   for name, agg in LOSS_AGGREGATION.items()}
 
 
 def kl_penalty(logp_NxT, logp_ref_NxT, estimator: str = "k3"):
   """Per-token KL(pi || ref) estimates from samples of pi: k1 = log r, k3 = r' - log r' - 1
-  with r' = pi_ref / pi (unbiased and non-negative)."""
-  log_ratio = logp_NxT - logp_ref_NxT
+  with r' = pi_ref / pi (unbiased and non-negative). Clamped as verl clamps them (log-ratio to
+  +-20, k3 to at most 10): with top-k / top-p a token the policy samples may lie outside the
+  reference's kept set, log pi_ref = -inf, and one such token would make the objective and its
+  gradient infinite. A token outside both (after an update moved the policy's set) counts 0."""
+  both_out = jnp.isneginf(logp_NxT) & jnp.isneginf(logp_ref_NxT)
+  log_ratio = jnp.where(both_out, 0.0, jnp.clip(logp_NxT - logp_ref_NxT, -20.0, 20.0))
   if estimator == "k1":
     return log_ratio
   if estimator == "k3":
-    return jnp.exp(-log_ratio) + log_ratio - 1.0
+    return jnp.minimum(jnp.exp(-log_ratio) + log_ratio - 1.0, 10.0)
   raise ValueError(f"unknown KL estimator {estimator!r} (k1 or k3)")
 
 

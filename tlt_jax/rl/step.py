@@ -130,7 +130,7 @@ def score(job: Job, ro: Rollout) -> Scored:
                                                                rl.overlong_buffer))
   advantages = np.asarray(algorithms.ADVANTAGES[rl.algorithm](rewards, G))
   mixed = np.asarray(algorithms.mixed_groups(rewards, G))
-  keep = mixed.astype(np.float32) if rl.algorithm == "dapo" else None
+  keep = algorithms.dynamic_sampling_weights(rl.algorithm, ro.correct_N, G)  # on accuracy (DAPO)
   batch = make_batch(ro.prompts, ro.tokens, ro.logprobs, advantages, job.train_len,
                      weights_N=keep)
   return Scored(batch=batch, rewards_N=rewards, mixed_N=mixed, lengths_N=lengths)

@@ -185,6 +185,13 @@ def policy_logprobs(model, tokens_NxL: jax.Array, sampling: SamplingParams,
   return whole(logp_KxNxC), whole(entropy_KxNxC)
 
 
+def _on_response(logp_NxT, mask_NxT):
+  """Log-probs on response tokens, 0 elsewhere: with top-k / top-p a prompt or padding token
+  outside the kept set has log-prob -inf, and -inf in a masked-out product is NaN (in the loss,
+  the KL term, the statistics and the gradient)."""
+  return jnp.where(mask_NxT, logp_NxT, 0.0)
+
+
 def _zero_lora(trainable):
   return jax.tree.map(jnp.zeros_like, trainable)
 
@@ -260,34 +267,44 @@ class StepFunctions:
 
   def _prepare_fn(self, trainable, frozen, reference, tokens, mask, sampler_logp):
     old_logp, entropy = self._logprobs(trainable, frozen, tokens)
+    old_logp = _on_response(old_logp, mask)
     weights, stats = self._mismatch(old_logp, sampler_logp, mask, entropy)
-    ref_logp = None if reference is None else self._logprobs(reference, frozen, tokens)[0]
-    return old_logp, weights, ref_logp, stats
+    ref_logp = (None if reference is None
+                else _on_response(self._logprobs(reference, frozen, tokens)[0], mask))
+    return old_logp, weights, ref_logp, dict(stats, response_tokens=jnp.sum(mask))
 
   def _loss_fn(self, trainable, frozen, reference, chunk_weight, tokens, mask, sampler_logp, adv,
                old_logp, weights, ref_logp):
     cfg = self.cfg
     logp, entropy = self._logprobs(trainable, frozen, tokens)
+    logp = _on_response(logp, mask)
     stats = {}
     if old_logp is None:  # the one update: this forward is at the sampling-time parameters
       old_logp = jax.lax.stop_gradient(logp)
       weights, stats = self._mismatch(logp, sampler_logp, mask, entropy)
       if reference is not None:
-        ref_logp = jax.lax.stop_gradient(self._logprobs(reference, frozen, tokens)[0])
+        ref_logp = jax.lax.stop_gradient(
+            _on_response(self._logprobs(reference, frozen, tokens)[0], mask))
     kw = {"max_len": cfg.max_response_len or None, "weights_NxT": weights}
     if cfg.eps_low is not None:
       kw["eps_low"] = cfg.eps_low
     if cfg.eps_high is not None:
       kw["eps_high"] = cfg.eps_high
     pg_loss, loss_stats = algorithms.LOSSES[cfg.loss_name](logp, old_logp, adv, mask, **kw)
-    loss = pg_loss
-    stats = dict(stats, **loss_stats, pg_loss=pg_loss)
+    # The chunk's share of the minibatch's loss terms (they add up over its chunks to the
+    # minibatch's values: padding rows shrink nothing), and its token count, which weighs its
+    # per-token statistics.
+    terms = {"pg_loss": pg_loss}
     if ref_logp is not None:
-      kl = algorithms.aggregate(algorithms.kl_penalty(logp, ref_logp, cfg.kl_estimator), mask,
-                                "token_mean")
-      loss = loss + cfg.kl_coef * kl
-      stats["kl_ref"] = kl
-    return loss * chunk_weight, dict(stats, loss=loss)
+      # Aggregated as the loss aggregates (verl, TRL): a token mean inside a chunk weighted by
+      # the chunk's rows would make the objective depend on rl.chunk_rows.
+      terms["kl_ref"] = algorithms.aggregate(
+          algorithms.kl_penalty(logp, ref_logp, cfg.kl_estimator), mask,
+          algorithms.LOSS_AGGREGATION[cfg.loss_name], cfg.max_response_len or None)
+    terms["loss"] = pg_loss + cfg.kl_coef * terms.get("kl_ref", 0.0)
+    stats = dict(stats, **loss_stats, response_tokens=jnp.sum(mask))
+    stats.update({k: v * chunk_weight for k, v in terms.items()})
+    return terms["loss"] * chunk_weight, stats
 
   def _grad_fn(self, trainable, frozen, reference, chunk_weight, *chunk):
     return jax.grad(self._loss_fn, has_aux=True)(trainable, frozen, reference, chunk_weight,
@@ -466,17 +483,16 @@ class Trainer:
     """One rollout batch: epochs x minibatches updates. Returns host metrics."""
     cfg = self.cfg
     plan = self.plan(batch)
-    prep_stats, prep_weights, prepared = [], [], []
+    prep_stats, prepared = [], []
     if not self.single_update:  # log-probs at the sampling-time parameters, before any update
       for chunk_list in plan:
         prepared.append([])
-        for dev, w in chunk_list:
+        for dev, _ in chunk_list:
           old_logp, is_w, ref_logp, st = self._prepare(self.trainable, self.frozen,
                                                        self.reference, *dev[:3])
           prepared[-1].append((old_logp, is_w, ref_logp))
           prep_stats.append(st)
-          prep_weights.append(w / len(plan))
-    update_stats, update_weights, grad_norms = [], [], []
+    update_stats, grad_norms = [], []
     # Several updates per batch: one non-finite update must undo the ones before it too, and
     # the update donates its inputs, so the state before the batch is kept as a copy.
     before = (None if cfg.minibatches * cfg.epochs == 1 else
@@ -484,16 +500,15 @@ class Trainer:
     for _ in range(cfg.epochs):
       for m, chunk_list in enumerate(plan):
         grads, stats = self.gradients(chunk_list, prepared[m] if prepared else None)
-        update_stats += stats
-        update_weights += [w / (len(plan) * cfg.epochs) for _, w in chunk_list]
+        update_stats.append(stats)
         self.trainable, self.opt_state, grad_norm = self._apply(self.trainable, self.opt_state,
                                                                 grads)
         grad_norms.append(float(grad_norm))
-    out = _weighted_stats(update_stats, update_weights)
+    out = _update_stats(update_stats)
     if prep_stats:
-      out.update(_weighted_stats(prep_stats, prep_weights))
+      out.update(_token_weighted(prep_stats))
     for k in ("is_weight_max", "logp_abs_diff_max"):
-      out[k] = max(float(s[k]) for s in (prep_stats or update_stats))
+      out[k] = max(float(s[k]) for s in (prep_stats or [s for u in update_stats for s in u]))
     out["grad_norm"] = float(np.mean(grad_norms))
     out["train_tokens_padded"] = int(sum(dev[0].shape[0] * dev[0].shape[1]
                                          for chunk_list in plan for dev, _ in chunk_list))
@@ -506,7 +521,23 @@ class Trainer:
     return out
 
 
-def _weighted_stats(stats: list[dict], weights: list[float]) -> dict[str, float]:
-  total = max(sum(weights), 1e-30)
-  return {k: float(sum(float(s[k]) * w for s, w in zip(stats, weights)) / total)
-          for k in stats[0]}
+# Loss terms come out of a chunk already weighted by its share of the minibatch (`_loss_fn`).
+_LOSS_TERMS = ("pg_loss", "kl_ref", "loss")
+
+
+def _update_stats(updates: list[list[dict]]) -> dict[str, float]:
+  """Per update (minibatch) its loss terms: the sums of its chunks' shares, so the logged loss is
+  the one whose gradient was applied; averaged over the updates. The per-token statistics:
+  weighted by the chunks' response tokens."""
+  out = _token_weighted([s for chunks in updates for s in chunks])
+  for k in _LOSS_TERMS:
+    if k in updates[0][0]:
+      out[k] = float(np.mean([sum(float(s[k]) for s in chunks) for chunks in updates]))
+  return out
+
+
+def _token_weighted(stats: list[dict]) -> dict[str, float]:
+  tokens = [float(s["response_tokens"]) for s in stats]
+  total = max(sum(tokens), 1.0)
+  return {k: float(sum(float(s[k]) * n for s, n in zip(stats, tokens)) / total)
+          for k in stats[0] if k not in _LOSS_TERMS and k != "response_tokens"}

@@ -140,7 +140,9 @@ def _sd_step(target, drafter, cfg: EngineConfig, depth: int, s: Slots, seed):
   target_tok = sampling.sample_from_masked(
       target_masked, seed, jnp.repeat(s.sample_id, K1), positions_BxK1.reshape(-1), greedy
   ).reshape(B, K1)
-  if cfg.verification == "gumbel":
+  # At T = 0 the target and the draft distributions are one-hot at their argmax, and speculative
+  # sampling is exactly this rule (accept iff the draft is the target's greedy token).
+  if cfg.verification == "gumbel" or greedy:
     accept_BxK = drafts_BxK == target_tok[:, :depth]
     emitted = target_tok  # at and before the first mismatch these are the tokens emitted
   else:
