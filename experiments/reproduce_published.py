@@ -23,6 +23,7 @@ import os
 import numpy as np
 
 from tlt_jax.model.transformer import ModelConfig
+from tlt_jax.perf import calibration as cal
 from tlt_jax.perf import cost_model as cm
 from tlt_jax.perf import hardware as hw_lib
 from tlt_jax.perf import long_tail
@@ -33,11 +34,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                        "published_reproduction.json")
 TOLERANCE = 0.15
 
-# Model shapes from the models' Hugging Face config.json files.
-QWEN2_5_7B = ModelConfig("qwen2", 152064, 3584, 18944, 28, 28, 4, 128, dtype="bfloat16")
-LLAMA3_1_8B = ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, dtype="bfloat16")
-QWEN3_8B = ModelConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, qk_norm=True,
-                       dtype="bfloat16")
+QWEN2_5_7B, LLAMA3_1_8B, QWEN3_8B = cal.QWEN2_5_7B, cal.LLAMA3_1_8B, cal.QWEN3_8B
 
 
 def rel_error(published, predicted: float) -> float:
@@ -61,26 +58,19 @@ def row(source, quantity, published, predicted, *, calibration=False, in_issue_l
   return out
 
 
-def overhead_from(cfg, hw, seconds_measured, *, rows, context, tp) -> float:
-  """The per-call overhead that makes one plain decode step take the measured time."""
-  bare = cm.seconds(cm.forward(cfg, rows, 1, context, tp=tp, calls=0.0), hw)
-  return seconds_measured - bare
-
-
 # ---------------------------------------------------------------------------------------------
 # fastrl issue 7: Qwen2.5-7B-Instruct, TP 2 on H20, SGLang (TLT's vendored 0.5.3), plain decode
 # and the 2_2_2 EAGLE strategy (2 steps, top-2, 2 verified tokens).
 
 
 def fastrl_issue7() -> tuple[list[dict], hw_lib.Hardware]:
-  src = "fastrl issue 7 (tlt.md s5)"
-  cfg, tp, ctx = QWEN2_5_7B, 2, 1024.0
+  point = cal.H20_POINT
+  src, cfg, tp, ctx = point.source, point.model, point.tp, point.context
   inputs = dict(model="Qwen2.5-7B-Instruct", tp=tp, hardware="h20 (4.0 TB/s, 148 TFLOP/s)",
                 stack=predict.SGLANG_EAGLE.source,
                 context_tokens="1024, assumed (the issue gives none; KV is <3% of the bytes)")
-  overhead = overhead_from(cfg, hw_lib.H20, 3.9e-3, rows=1, context=ctx, tp=tp)
-  h20 = hw_lib.calibrated(hw_lib.H20, fits="step_overhead_s", value=overhead, source=src,
-                          quantity="plain decode step, batch 1", published=3.9e-3)
+  h20 = cal.profile("h20")
+  overhead = h20.step_overhead_s
   arm = predict.Strategy("2_2_2", 2, 2, 2)
   stack = predict.SGLANG_EAGLE
   plain = lambda b: cm.seconds(predict.plain_cost(cfg, b, ctx, tp, stack), h20)  # noqa: E731
@@ -110,13 +100,12 @@ VLLM_AL = {2: (2.36, 4.32), 4: (3.08, 4.05), 7: (3.54, 4.29)}  # K: (accept leng
 
 
 def vllm_issue20780() -> tuple[list[dict], hw_lib.Hardware]:
-  src = "vllm issue 20780 (H100, Llama-3.1-8B-Instruct, EAGLE3-LLaMA3.1-Instruct-8B, batch 1)"
-  cfg, ctx, stack = LLAMA3_1_8B, 512.0, predict.VLLM_EAGLE3
+  point = cal.H100_POINT
+  src, cfg, ctx, stack = point.source, point.model, point.context, predict.VLLM_EAGLE3
   inputs = dict(model="Llama-3.1-8B-Instruct", tp=1, hardware="h100_sxm", stack=stack.source,
                 context_tokens="512, assumed (MT-bench turns; the issue gives none)")
-  overhead = overhead_from(cfg, hw_lib.H100_SXM, 7.07e-3, rows=1, context=ctx, tp=1)
-  h100 = hw_lib.calibrated(hw_lib.H100_SXM, fits="step_overhead_s", value=overhead, source=src,
-                           quantity="vanilla TPOT, batch 1", published=7.07e-3)
+  h100 = cal.profile("h100_sxm")
+  overhead = h100.step_overhead_s
   rows = [row(src, "vanilla TPOT ms, batch 1", 7.07,
               cm.seconds(predict.plain_cost(cfg, 1, ctx, 1, stack), h100) * 1e3,
               calibration=True, in_issue_list=False,
@@ -141,9 +130,7 @@ def vllm_issue20780() -> tuple[list[dict], hw_lib.Hardware]:
 def nemo_rl(h100: hw_lib.Hardware) -> list[dict]:
   src = "NeMo-RL speculative decoding (arXiv 2604.26779; tlt.md s6, zubnet/earezki summaries)"
   cfg, k, al, rows_, ctx = QWEN3_8B, 3, 2.47, 32, 4096.0
-  gb200 = dataclasses.replace(hw_lib.GB200, step_overhead_s=h100.step_overhead_s,
-                              notes="per-call overhead copied from the h100_sxm vLLM calibration "
-                                    "(same serving stack; GB200 has no calibration point)")
+  gb200 = cal.profile("gb200")  # the h100 vLLM overhead, borrowed (same serving stack)
   stack = predict.VLLM_EAGLE3
   plain = cm.seconds(predict.plain_cost(cfg, rows_, ctx, 1, stack), gb200)
   rnd = cm.seconds(predict.round_cost(cfg, Arm(f"chain{k}", k), rows_, ctx, 1, stack), gb200)

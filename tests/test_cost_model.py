@@ -1,6 +1,8 @@
 """The cost model against XLA's own count, its roofline arithmetic by hand, and the reproduction
 script's output schema."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -139,3 +141,20 @@ def test_reproduction_rows_satisfy_the_schema():
   for p in report["profiles"].values():
     assert p["calibration"] is None or p["calibration"]["fits"] in ("step_overhead_s",
                                                                      "efficiency")
+
+
+def test_paper_config_predictions_name_their_assumptions():
+  configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "experiments", "configs")
+  out = predict.predict_paper_configs(configs, trials=1)
+  assert set(out) == {"qwen2_5_7b_8gpu", "qwen2_5_32b_multihost", "r1_distill_qwen_7b_v5p64"}
+  for r in out.values():
+    assert r["predicted_speedup_tlt"] >= r["predicted_speedup_static_sd"] - 1e-9
+    assert set(r["variants"]) == {"sd_off", "static_sd", "adaptive_sd", "tlt"}
+    assert r["variants"]["sd_off"]["speedup"] == 1.0
+    assert {"response_lengths", "accept_len_static", "accept_gain_online_drafter",
+            "step_overhead_s", "train"} <= set(r["assumptions"])
+    programs = {x["program"] for x in r["breakdown"]}
+    assert {"prefill", "decode[1]", "drafter forward", "drafter train step",
+            "policy train step", "weight sync"} <= programs
+    assert any(p.startswith("verify[tree8_4_32]") for p in programs)
