@@ -158,3 +158,17 @@ def test_paper_config_predictions_name_their_assumptions():
     assert {"prefill", "decode[1]", "drafter forward", "drafter train step",
             "policy train step", "weight sync"} <= programs
     assert any(p.startswith("verify[tree8_4_32]") for p in programs)
+
+
+def test_plan_prints_the_predicted_breakdown():
+  from tlt_jax import plan  # noqa: PLC0415
+
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "experiments", "configs", "qwen2_5_7b_8gpu.py")
+  text = plan.format_prediction(predict.load_config(path), "qwen2_5_7b_8gpu")
+  assert "x h100_sxm" in text and "predicted speedup: TLT" in text
+  for program in ("prefill", "decode[64]", "verify[tree8_4_32][32]", "drafter train step",
+                  "policy train step", "weight sync"):
+    assert program in text
+  assert "no hardware profile" in plan.format_prediction(
+      predict.load_config(path.replace("qwen2_5_7b_8gpu", "tiny_arith")), "tiny_arith")

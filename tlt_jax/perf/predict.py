@@ -187,7 +187,9 @@ def breakdown(c, hw: Hardware, *, context: float, train_seq: int) -> list[dict]:
       if a.verify_tokens * b <= 1024:  # the tuner's memory bound (rollout/tuner.py)
         add(f"verify[{a.name}][{b}]", round_cost(mcfg, a, b, context, tp, stack),
             "one SD round: drafts + verify + drafter catch-up")
-  add("drafter forward", cm.drafter_forward(mcfg, rows, 1, context, tp=tp), f"{rows} rows")
+  add("drafter forward", cm.drafter_forward(mcfg, rows, 1, context, tp=tp,
+                                            calls=stack.plain_calls),
+      f"{rows} rows x 1 token (inside a decode chunk)")
   t = c.tlt
   add("drafter train step", cm.drafter_train_step(mcfg, t.rows, t.row_len,
                                                   devices=j["per_group"]),
@@ -338,3 +340,12 @@ def predict_paper_configs(configs_dir: str, *, seed: int = 0, trials: int = 4) -
   return {name: predict_config(load_config(os.path.join(configs_dir, name + ".py")), name,
                                calibration.profile(hw), seed=seed, trials=trials)
           for name, hw in HARDWARE_OF.items()}
+
+
+MEMORY_GIB_HARDWARE = {80: "h100_sxm", 141: "h200", 96: "h20", 95: "tpu_v5p", 16: "tpu_v5e"}
+
+
+def hardware_for(c, name: str) -> str | None:
+  """The profile a config runs on: its name's (HARDWARE_OF), else its plan.device_memory_gib's."""
+  base = name.split(":")[0]
+  return HARDWARE_OF.get(base) or MEMORY_GIB_HARDWARE.get(int(c.plan.device_memory_gib))
