@@ -22,7 +22,6 @@ import os
 
 import numpy as np
 
-from tlt_jax.model.transformer import ModelConfig
 from tlt_jax.perf import calibration as cal
 from tlt_jax.perf import cost_model as cm
 from tlt_jax.perf import hardware as hw_lib
