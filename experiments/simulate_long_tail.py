@@ -5,6 +5,13 @@
 
 Prints one JSON object and writes experiments/results/simulation.json and simulation.png
 (`--quick`: *_quick.json / *_quick.png).
+
+The full run also adds `paper_configs`: for each paper-scale config (experiments/configs/
+qwen2_5_7b_8gpu.py, qwen2_5_32b_multihost.py, r1_distill_qwen_7b_v5p64.py) on its hardware, the
+simulation driven by the cost model (`tlt_jax.perf.predict`) instead of the CPU fit above:
+predicted_speedup_tlt, predicted_speedup_static_sd, the step breakdown, and `assumptions` naming
+every assumed input with its source. The CPU-fitted figures above keep their meaning (CPU-model
+units); `--quick` and `--no-paper-configs` leave the addition out.
 """
 
 from __future__ import annotations
@@ -14,8 +21,10 @@ import json
 import os
 
 from tlt_jax.perf.long_tail import DEVICES, VARIANTS, build_report, default_params
+from tlt_jax.perf.predict import predict_paper_configs
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
 
 def plot(report: dict, traces: dict, path: str) -> None:
@@ -85,6 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--tlt-gain", type=float, default=0.2)
   parser.add_argument("--rollout-fraction", type=float, default=0.85)
   parser.add_argument("--out-dir", default=RESULTS_DIR)
+  parser.add_argument("--no-paper-configs", action="store_true",
+                      help="leave out the cost-model predictions for the paper-scale configs")
   args = parser.parse_args(argv)
   samples = args.samples_per_group or (64 if args.quick else 256)
   p = default_params(devices_per_group=args.group_size, samples_per_group=samples,
@@ -93,6 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
   trace_d = 64 if 64 in devices else devices[-1]
   trials = args.trials or (2 if args.quick else 8)
   report, traces = build_report(p, args.seed, devices, args.quick, trace_d, trials)
+  if not (args.quick or args.no_paper_configs):
+    report["paper_configs"] = predict_paper_configs(CONFIGS_DIR, seed=args.seed, trials=trials)
   os.makedirs(args.out_dir, exist_ok=True)
   stem = "simulation_quick" if args.quick else "simulation"
   with open(os.path.join(args.out_dir, stem + ".json"), "w") as f:

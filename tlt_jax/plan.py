@@ -388,6 +388,41 @@ def format_table(result: dict) -> str:
   return "\n".join(lines + [f"note: {x}" for x in result["notes"]])
 
 
+def format_prediction(c: ml_collections.ConfigDict, name: str, hardware: str = "") -> str:
+  """The cost model's step breakdown and predicted speedups for `c` on its hardware
+  (`tlt_jax/perf/predict.py`; the profile from --hardware, the config's name, or
+  plan.device_memory_gib). A model, not a measurement: its assumptions are listed with it."""
+  from tlt_jax.perf import calibration, predict  # noqa: PLC0415 (the memory plan needs neither)
+
+  hw_name = hardware or predict.hardware_for(c, name)
+  if not hw_name:
+    return ("predicted step time: no hardware profile for this config (pass --hardware, one "
+            "of h100_sxm, h200, h20, gh200, gb200, tpu_v5e, tpu_v5p, cpu_2core)")
+  try:
+    r = predict.predict_config(c, name, calibration.profile(hw_name), trials=2)
+  except ValueError as e:
+    return f"predicted step time: not available ({e})"
+  lines = [f"predicted step time on {r['devices']} x {hw_name} ({r['groups']} rollout groups, "
+           f"TP {r['tp']}), from the cost model (tlt_jax/perf/predict.py):",
+           f"  {'program':<26} {'ms per call':>12}  bound    what"]
+  for x in r["breakdown"]:
+    lines.append(f"  {x['program']:<26} {x['seconds'] * 1e3:>12.3f}  {x['bound']:<8} {x['note']}")
+  v = r["variants"]
+  lines.append("  per RL step (simulated long tail): " + "; ".join(
+      f"{k} rollout {v[k]['rollout_s']:.1f} s, step {v[k]['step_s']:.1f} s"
+      + (f" ({v[k]['arm']}, accept {v[k]['accept_len']:.2f})" if v[k].get("arm") else "")
+      for k in ("sd_off", "static_sd", "adaptive_sd", "tlt")))
+  needed = ", ".join(f"{k}: {'out of reach' if a is None else f'accept {a}'}"
+                     for k, a in r["accept_needed"].items())
+  lines.append(f"  predicted speedup: TLT {r['predicted_speedup_tlt']:.2f}x, static SD "
+               f"{r['predicted_speedup_static_sd']:.2f}x, adaptive SD "
+               f"{r['predicted_speedup_adaptive_sd']:.2f}x over SD off; idle device-s for the "
+               f"drafter {r['idle_device_s_for_drafter']:.1f}; TLT needs ({r['accept_needed_arm']}) "
+               + needed)
+  lines += [f"  assumed {k}: {a}" for k, a in r["assumptions"].items()]
+  return "\n".join(lines)
+
+
 def main(argv) -> None:
   from absl import flags  # noqa: PLC0415
 
@@ -406,6 +441,7 @@ def main(argv) -> None:
     print(f"plan: {e}", file=sys.stderr)
     raise SystemExit(2) from None
   print(format_table(result))
+  print(format_prediction(FLAGS.config, name, FLAGS.hardware))
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(result, f, indent=2, default=float)
@@ -430,6 +466,8 @@ def _start() -> None:
   flags.DEFINE_bool("compile", False, "also compile the lowered programs (slow) and report "
                     "XLA's memory_analysis()")
   flags.DEFINE_bool("no_lower", False, "the memory table only")
+  flags.DEFINE_string("hardware", "", "hardware profile for the predicted step time "
+                      "(tlt_jax/perf/hardware.py; default: by config name or device memory)")
 
   def run(argv):
     c = flags.FLAGS.config

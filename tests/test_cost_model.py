@@ -1,0 +1,174 @@
+"""The cost model against XLA's own count, its roofline arithmetic by hand, and the reproduction
+script's output schema."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from experiments import reproduce_published
+from tlt_jax.model.transformer import ModelConfig, Transformer, init_cache
+from tlt_jax.perf import cost_model as cm
+from tlt_jax.perf import hardware as hw_lib
+from tlt_jax.perf import predict
+
+# Big enough that the weights (12 MB in f32) dominate a decode step's bytes at batch 1, small
+# enough to compile in seconds.
+SMALL = ModelConfig("qwen2", 4096, 256, 1024, 2, 4, 2, 64, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def small_model():
+  return nnx.split(Transformer(SMALL, nnx.Rngs(0)))
+
+
+def _decode_cost(graphdef, state, rows, slots) -> cm.Cost:
+  """XLA's count of the engine's decode forward: one token per row over a cache of `slots`,
+  the cache donated and returned as the rollout's decode programs do."""
+  def decode(state, tokens, cache, slot):
+    out = nnx.merge(graphdef, state)(tokens, cache=cache, write_slot_B=slot)
+    return out.logits_BxTxV, out.cache
+
+  args = (state, jnp.zeros((rows, 1), jnp.int32), init_cache(SMALL, rows, slots),
+          jnp.zeros((rows,), jnp.int32))
+  return cm.xla_cost(jax.jit(decode, donate_argnums=(2,)).lower(*args).compile())
+
+
+def _prefill_cost(graphdef, state, rows, tokens) -> cm.Cost:
+  def prefill(state, tokens_BxT):
+    return nnx.merge(graphdef, state)(tokens_BxT).logits_BxTxV
+
+  return cm.xla_cost(jax.jit(prefill).lower(state, jnp.zeros((rows, tokens), jnp.int32)).compile())
+
+
+@pytest.mark.parametrize("rows,slots", [(1, 128), (4, 256)])
+def test_decode_flops_and_bytes_match_xla(small_model, rows, slots):
+  # FLOPs within 5%: XLA also counts the element-wise ops (softmax, RoPE, norms, SiLU) the
+  # model leaves out; they are ~1% here. Bytes: the model counts what an ideal fused program
+  # must move (weights once, KV, logits), so XLA's count is never below it; at batch 1 with a
+  # short cache the weights dominate and XLA:CPU is within 10% of it. With more rows or slots
+  # XLA:CPU's count grows faster than the model's, because it also counts its layout copies of
+  # the cache (transposes before the attention dots) that an accelerator kernel fuses away.
+  model = cm.forward(SMALL, rows, 1, slots)
+  xla = _decode_cost(*small_model, rows, slots)
+  assert model.flops == pytest.approx(xla.flops, rel=0.05)
+  assert xla.bytes >= 0.98 * model.bytes
+  if rows == 1:
+    assert model.bytes == pytest.approx(xla.bytes, rel=0.10)
+
+
+def test_prefill_flops_match_xla(small_model):
+  # The forward without a cache attends all T keys under XLA numerics (no causal skip), which
+  # is what `forward(..., context=T)` counts.
+  rows, tokens = 2, 64
+  model = cm.forward(SMALL, rows, tokens, tokens)
+  xla = _prefill_cost(*small_model, rows, tokens)
+  assert model.flops == pytest.approx(xla.flops, rel=0.05)
+  assert xla.bytes >= 0.98 * model.bytes
+
+
+def test_forward_counts_by_hand():
+  cfg = ModelConfig("llama", 10, 4, 6, 1, 2, 1, 2, dtype="bfloat16")
+  # one layer: q 4x(2x2) + k, v 4x2 each + o 4x4 + MLP 3 x 4x6 = 16 + 16 + 16 + 72 = 120
+  assert cm.layer_matmul_params(cfg) == 120
+  c = cm.forward(cfg, rows=3, tokens=1, context=5)
+  # 2 x 3 tokens x (120 + lm_head 40) + attention 4 x 3 x 5 slots x 2 heads x 2 dims
+  assert c.flops == 2 * 3 * 160 + 4 * 3 * 5 * 2 * 2
+  # weights 160 x 2 B + KV read 3 x 5 x (2 x 1 x 2 x 2 B) + written 3 x 8 + embed rows 3 x 4 x 2
+  # + f32 logits 3 x 10 x 4
+  assert c.bytes == 320 + 120 + 24 + 24 + 120
+  assert c.comm_bytes == 0 and c.calls == 1
+
+
+def test_roofline_arithmetic_by_hand():
+  hw = hw_lib.Hardware("toy", peak_flops=100.0, hbm_bytes_per_s=10.0,
+                       interconnect_bytes_per_s=5.0, memory_bytes=1.0, step_overhead_s=0.5,
+                       efficiency=0.5)
+  # compute-bound: max(300/100, 20/10) = 3 s, / 0.5 = 6 s; + 10 B / 5 B/s + 2 calls x 0.5 s
+  assert cm.seconds(cm.Cost(300.0, 20.0, 10.0, 2.0), hw) == pytest.approx(9.0)
+  assert cm.bound(cm.Cost(300.0, 20.0), hw) == "compute"
+  # memory-bound: max(1, 5) / 0.5 = 10 s + 1 call x 0.5 s
+  assert cm.seconds(cm.Cost(100.0, 50.0, 0.0, 1.0), hw) == pytest.approx(10.5)
+  assert cm.bound(cm.Cost(100.0, 50.0), hw) == "memory"
+
+
+def test_measurement_wins_over_the_model():
+  p = cm.Predictor(hw_lib.H100_SXM, {"decode[1]": 0.004})
+  assert p.time("decode[1]", cm.Cost(1.0, 1.0)) == (0.004, "measured")
+  t, how = p.time("decode[2]", cm.Cost(0.0, 3.35e9))
+  assert how == "model" and t == pytest.approx(1e-3)
+
+
+def test_a_profile_is_calibrated_once():
+  h = hw_lib.calibrated(hw_lib.H20, fits="step_overhead_s", value=1e-3, source="s",
+                        quantity="q", published=2.0)
+  assert h.step_overhead_s == 1e-3 and h.efficiency == 1.0 and h.calibration["source"] == "s"
+  with pytest.raises(ValueError, match="already calibrated"):
+    hw_lib.calibrated(h, fits="efficiency", value=0.5, source="t", quantity="q", published=1.0)
+  with pytest.raises(ValueError):
+    hw_lib.calibrated(hw_lib.H20, fits="peak_flops", value=1.0, source="s", quantity="q",
+                      published=1.0)
+
+
+def test_sd_round_is_one_plain_step_plus_drafts_when_memory_bound():
+  # SGLang's 2_2_2 round at batch 1: verify (2 tokens) + 1 draft level + the extend, 3 calls.
+  cfg, stack = reproduce_published.QWEN2_5_7B, predict.SGLANG_EAGLE
+  rnd = predict.round_cost(cfg, predict.Strategy("2_2_2", 2, 2, 2), 1, 1024, 2, stack)
+  drafter = cm.drafter_forward(cfg, 1, 2, 1024, tp=2)
+  verify = cm.forward(cfg, 1, 2, 1024, tp=2)
+  assert rnd.calls == 3
+  assert rnd.bytes == pytest.approx(verify.bytes + drafter.bytes
+                                    + cm.drafter_forward(cfg, 1, 3, 1024, tp=2).bytes)
+
+
+def test_reproduction_rows_satisfy_the_schema():
+  report = reproduce_published.build()
+  keys = {"source", "quantity", "published", "predicted", "rel_error", "calibration"}
+  rows = report["rows"]
+  assert all(keys <= set(r) for r in rows)
+  predictions = [r for r in rows if not r["calibration"]]
+  assert len([r for r in predictions if r["in_issue_list"]]) >= 8
+  for r in rows:
+    assert r["rel_error"] == pytest.approx(
+        reproduce_published.rel_error(r["published"], r["predicted"]), abs=1e-3)
+    if not r["calibration"] and r["rel_error"] > reproduce_published.TOLERANCE:
+      assert r["where_wrong"], r  # a miss says where the model is wrong
+  # each calibration point is reproduced exactly (it is what the profile was fitted to)
+  assert all(r["rel_error"] < 1e-3 for r in rows if r["calibration"])
+  # at most one fitted figure per profile
+  for p in report["profiles"].values():
+    assert p["calibration"] is None or p["calibration"]["fits"] in ("step_overhead_s",
+                                                                     "efficiency")
+
+
+def test_paper_config_predictions_name_their_assumptions():
+  configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "experiments", "configs")
+  out = predict.predict_paper_configs(configs, trials=1)
+  assert set(out) == {"qwen2_5_7b_8gpu", "qwen2_5_32b_multihost", "r1_distill_qwen_7b_v5p64"}
+  for r in out.values():
+    assert r["predicted_speedup_tlt"] >= r["predicted_speedup_static_sd"] - 1e-9
+    assert set(r["variants"]) == {"sd_off", "static_sd", "adaptive_sd", "tlt"}
+    assert r["variants"]["sd_off"]["speedup"] == 1.0
+    assert {"response_lengths", "accept_len_static", "accept_gain_online_drafter",
+            "step_overhead_s", "train"} <= set(r["assumptions"])
+    programs = {x["program"] for x in r["breakdown"]}
+    assert {"prefill", "decode[1]", "drafter forward", "drafter train step",
+            "policy train step", "weight sync"} <= programs
+    assert any(p.startswith("verify[tree8_4_32]") for p in programs)
+
+
+def test_plan_prints_the_predicted_breakdown():
+  from tlt_jax import plan  # noqa: PLC0415
+
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "experiments", "configs", "qwen2_5_7b_8gpu.py")
+  text = plan.format_prediction(predict.load_config(path), "qwen2_5_7b_8gpu")
+  assert "x h100_sxm" in text and "predicted speedup: TLT" in text
+  for program in ("prefill", "decode[64]", "verify[tree8_4_32][32]", "drafter train step",
+                  "policy train step", "weight sync"):
+    assert program in text
+  assert "no hardware profile" in plan.format_prediction(
+      predict.load_config(path.replace("qwen2_5_7b_8gpu", "tiny_arith")), "tiny_arith")
