@@ -20,13 +20,12 @@ import platform
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from experiments import bench_determinism as bd  # configures batch-invariant XLA flags first
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from tlt_jax import compile_cache, logs, ops  # noqa: E402
+from tlt_jax import compile_cache, logs, ops
 
 
 def main() -> None:

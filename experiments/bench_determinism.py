@@ -26,16 +26,16 @@ from tlt_jax import determinism
 if "--xla-default-flags" not in sys.argv:
   determinism.configure("batch_invariant")  # before JAX creates its backend
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
 
-from tlt_jax import compile_cache, logs, ops  # noqa: E402
-from tlt_jax.model.transformer import ModelConfig, Transformer, init_cache  # noqa: E402
-from tlt_jax.rollout.sampling import sample_tokens  # noqa: E402
-from pallas_kernels.common import round_up  # noqa: E402
+from pallas_kernels.common import round_up
+from tlt_jax import compile_cache, logs, ops
+from tlt_jax.model.transformer import ModelConfig, Transformer, init_cache
+from tlt_jax.rollout.sampling import sample_tokens
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)

@@ -29,9 +29,16 @@ import time
 
 import numpy as np
 
-from tlt_jax import compile_cache, logs
+from tlt_jax import compile_cache, determinism, logs, ops
 from tlt_jax import config as config_lib
-from tlt_jax import determinism
+from tlt_jax import job as job_lib
+from tlt_jax.data import splits
+from tlt_jax.data.pipeline import prompt_dataset
+from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.tuner import OFF, Arm
+from tlt_jax.tlt.drafter_trainer import load_drafter
+from tlt_jax.tlt.warmup import warmup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
@@ -42,13 +49,6 @@ ARMS = ("chain2", "chain4")
 
 def accept_lengths(c, drafter_dir: str) -> dict[str, float]:
   """Accept length per arm on fresh prompts (another seed than the warm-up's rollouts)."""
-  from tlt_jax import job as job_lib  # noqa: PLC0415
-  from tlt_jax.data import splits  # noqa: PLC0415
-  from tlt_jax.data.pipeline import prompt_dataset  # noqa: PLC0415
-  from tlt_jax.rollout.config import EngineConfig  # noqa: PLC0415
-  from tlt_jax.rollout.engine import RolloutEngine  # noqa: PLC0415
-  from tlt_jax.rollout.tuner import OFF, Arm  # noqa: PLC0415
-  from tlt_jax.tlt.drafter_trainer import load_drafter  # noqa: PLC0415
 
   model, _, formatter, eos_ids = job_lib.load_policy(c)
   drafter = load_drafter(drafter_dir, model.cfg)
@@ -80,8 +80,6 @@ def main() -> None:
   cache_dir = compile_cache.configure(c.compile.cache_dir)
   print(f"[bench_drafter_unroll] compile cache: {cache_dir or 'off'}", file=sys.stderr)
   determinism.configure(c.numerics, c.xla_determinism, c.numerics_f32_matmul)
-  from tlt_jax import ops  # noqa: PLC0415
-  from tlt_jax.tlt.warmup import warmup  # noqa: PLC0415
 
   results, buffer_dir = {}, ""
   with tempfile.TemporaryDirectory() as tmp:

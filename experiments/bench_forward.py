@@ -22,17 +22,20 @@ from tlt_jax import determinism
 
 determinism.configure("batch_invariant")  # before JAX creates its backend
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-from pallas_kernels import attention as attention_kernels  # noqa: E402
-from tlt_jax import compile_cache, logs  # noqa: E402
-from tlt_jax import config as config_lib  # noqa: E402
-from tlt_jax import ops  # noqa: E402
-from tlt_jax import job as job_lib  # noqa: E402
-from tlt_jax.model.transformer import init_cache  # noqa: E402
+from pallas_kernels import attention as attention_kernels
+from tlt_jax import (
+  compile_cache,
+  logs,
+  ops,
+)
+from tlt_jax import config as config_lib
+from tlt_jax import job as job_lib
+from tlt_jax.model.transformer import init_cache
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny_arith.py")

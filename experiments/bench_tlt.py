@@ -28,20 +28,20 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=2").strip()
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from tlt_jax import config as config_lib  # noqa: E402
-import tlt_jax  # noqa: E402
-from tlt_jax import compile_cache, logs, metrics  # noqa: E402
-from tlt_jax.tlt.warmup import warmup  # noqa: E402
+import tlt_jax
+from tlt_jax import compile_cache, logs, metrics
+from tlt_jax import config as config_lib
+from tlt_jax.tlt.warmup import warmup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
@@ -117,7 +117,7 @@ def run_child(name: str, steps: int, drafter_dir: str, workdir: str) -> dict:
 
 def aggregate(runs: list[dict]) -> dict:
   """A variant over its repeats: the median of each total, and every run as measured."""
-  med = lambda key: float(np.median([r[key] for r in runs]))  # noqa: E731
+  med = lambda key: float(np.median([r[key] for r in runs]))
   return {
       **{key: med(key) for key in ("step_s_total", "rollout_s_total", "train_s_total",
                                    "accept_len_mean", "idle_device_s_total", "compile_s")},

@@ -39,9 +39,11 @@ try:  # the flags the real runs use (no FMA on x86 CPU, deterministic ops on GPU
 except Exception as e:  # noqa: BLE001 (the probe must run whatever the tree's state)
   CONFIGURE_ERROR = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import attention, logsoftmax, matmul, rmsnorm
 
 
 def first_line(e: BaseException) -> str:
@@ -83,7 +85,6 @@ def time_ms(fn, *args, loops: int = 3, target_s: float = 0.1) -> float:
 
 
 def _kernels(layout: str | None):
-  from pallas_kernels import attention, logsoftmax, matmul, rmsnorm  # noqa: PLC0415
 
   kw = {"layout": layout} if layout else {}
 

@@ -29,7 +29,7 @@ from tokenizers import Tokenizer, decoders, models
 
 from tlt_jax.data.synthetic import DEFAULT_MIX, make_problem
 from tlt_jax.model import hf
-from tlt_jax.model.transformer import ModelConfig, Transformer
+from tlt_jax.model.transformer import ModelConfig, Transformer, init_cache
 from tlt_jax.rl.rewards import math_reward
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -104,7 +104,6 @@ def train_step(model, optimizer, tokens, positions, segments, loss_mask):
 @nnx.jit(static_argnames=("max_new", "temperature"))
 def _decode(model, prompts_BxP, lengths_B, key, max_new: int, temperature: float):
   """Left-aligned prompts, KV cache; greedy or sampled; no early stop (eos is cut on the host)."""
-  from tlt_jax.model.transformer import init_cache  # noqa: PLC0415
   B, P = prompts_BxP.shape
   cache = init_cache(model.cfg, B, P + max_new)
   out = model(prompts_BxP, cache=cache, write_slot_B=jnp.zeros((B,), jnp.int32))

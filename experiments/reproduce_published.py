@@ -25,8 +25,7 @@ import numpy as np
 from tlt_jax.perf import calibration as cal
 from tlt_jax.perf import cost_model as cm
 from tlt_jax.perf import hardware as hw_lib
-from tlt_jax.perf import long_tail
-from tlt_jax.perf import predict
+from tlt_jax.perf import long_tail, predict
 from tlt_jax.rollout.tuner import Arm
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -72,8 +71,8 @@ def fastrl_issue7() -> tuple[list[dict], hw_lib.Hardware]:
   overhead = h20.step_overhead_s
   arm = predict.Strategy("2_2_2", 2, 2, 2)
   stack = predict.SGLANG_EAGLE
-  plain = lambda b: cm.seconds(predict.plain_cost(cfg, b, ctx, tp, stack), h20)  # noqa: E731
-  sd = lambda b: cm.seconds(predict.round_cost(cfg, arm, b, ctx, tp, stack), h20)  # noqa: E731
+  plain = lambda b: cm.seconds(predict.plain_cost(cfg, b, ctx, tp, stack), h20)
+  sd = lambda b: cm.seconds(predict.round_cost(cfg, arm, b, ctx, tp, stack), h20)
   rows = [
       row(src, "plain decode step ms, batch 1", 3.9, plain(1) * 1e3, calibration=True,
           inputs=dict(inputs, fitted=f"h20 step_overhead_s = {overhead * 1e3:.3f} ms per call")),

@@ -28,9 +28,9 @@ CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"
 
 
 def plot(report: dict, traces: dict, path: str) -> None:
-  import matplotlib
+  import matplotlib  # noqa: PLC0415 (matplotlib (and its Agg backend choice) only when a plot is drawn)
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib (and its Agg backend choice) only when a plot is drawn)
 
   fig, (ax_a, ax_b, ax_c) = plt.subplots(1, 3, figsize=(16, 4.6))
   colors = dict(baseline="tab:gray", sd_static="tab:blue", tlt="tab:red")

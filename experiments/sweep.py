@@ -189,9 +189,9 @@ def plot_comparison(rows: list[dict], path: str, title: str) -> str | None:
   ok = [r for r in rows if r["status"] == "ok"]
   if not ok:
     return None
-  import matplotlib  # noqa: PLC0415
+  import matplotlib  # noqa: PLC0415 (matplotlib (and its Agg backend choice) only when a plot is drawn)
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
+  import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib (and its Agg backend choice) only when a plot is drawn)
 
   fig, (ax_r, ax_a, ax_t) = plt.subplots(1, 3, figsize=(15, 4.2))
   for r in ok:

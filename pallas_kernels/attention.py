@@ -29,8 +29,18 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (compiler_params, default_interpret, dot_f32, kernel_layout,
-                                   next_pow2, out_struct, pad_axis, round_up, tree_sum, vmem)
+from pallas_kernels.common import (
+  compiler_params,
+  default_interpret,
+  dot_f32,
+  kernel_layout,
+  next_pow2,
+  out_struct,
+  pad_axis,
+  round_up,
+  tree_sum,
+  vmem,
+)
 
 KV_SPLIT = 32  # keys per step of the online softmax; KV caches are padded to a multiple of this
 BLOCK_Q = 16   # query rows (tokens x query heads of one KV head) per program
@@ -135,7 +145,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale: float, num
 
   init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
           jnp.zeros((rows, D), jnp.float32))
-  _, l, acc = jax.lax.fori_loop(0, num_splits, split_step, init)
+  _, l, acc = jax.lax.fori_loop(0, num_splits, split_step, init)  # noqa: E741 (l: the softmax denominator, as in the flash-attention papers)
   o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
 
 
@@ -179,7 +189,7 @@ def _attention_kernel_tpu(q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, ac
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
-    l = l_ref[...]
+    l = l_ref[...]  # noqa: E741 (l: the softmax denominator, as in the flash-attention papers)
     o_ref[...] = (acc_ref[...] / _widen(jnp.where(l == 0.0, 1.0, l), D)).astype(o_ref.dtype)
 
 
@@ -331,6 +341,6 @@ def _attend_splits(q_BxTxHxD, k_DxBxKx1xNxC, v_CxBxKx1xNxD, mask_BxTxS, scale: f
   def merge(carry, terms):  # in slot order; elementwise only, so no shape can reorder it
     return (carry[0] + terms[0], carry[1] + terms[1]), None
 
-  (l, acc), _ = jax.lax.scan(merge, (jnp.zeros_like(l_terms[0]), jnp.zeros_like(pv_terms[0])),
+  (l, acc), _ = jax.lax.scan(  # noqa: E741 (l: the softmax denominator, as above)merge, (jnp.zeros_like(l_terms[0]), jnp.zeros_like(pv_terms[0])),
                              (l_terms, pv_terms))
   return _from_rows(_finish(l, acc).astype(q_BxTxHxD.dtype), B, T, H, D)

@@ -16,8 +16,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (compiler_params, default_interpret, dot_f32, kernel_layout,
-                                   map_row_blocks, out_struct, pad_axis, vmem)
+from pallas_kernels.common import (
+  compiler_params,
+  default_interpret,
+  dot_f32,
+  kernel_layout,
+  map_row_blocks,
+  out_struct,
+  pad_axis,
+  vmem,
+)
 
 # (bm, bn, bk) per input dtype and layout: one configuration per backend, used for every shape.
 # GPU (Triton): each program holds a [bm, K] strip of x and a [K, bn] strip of w in global memory
@@ -137,7 +145,7 @@ def lora_matmul_blocked_jax(x_MxK: jax.Array, w_KxN: jax.Array, a_KxR: jax.Array
   """
   out_dtype = jnp.result_type(x_MxK, w_KxN)
   w, a, b = (t.astype(out_dtype) for t in (w_KxN, a_KxR, b_RxN))
-  dot = lambda u, v: jax.lax.optimization_barrier(  # noqa: E731
+  dot = lambda u, v: jax.lax.optimization_barrier(
       jnp.dot(u, v, preferred_element_type=jnp.float32).astype(out_dtype))
 
   def block(x_bmxK):

@@ -30,6 +30,7 @@ compile-only client it is None. `memory_analysis()` works on both.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import functools
@@ -37,10 +38,14 @@ import importlib.util
 import os
 import re
 import shutil
+import time
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax._src import xla_bridge
+
+from pallas_kernels import attention, logsoftmax, matmul, rmsnorm
 
 TARGET_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "target_configs")
 
@@ -105,7 +110,7 @@ def _missing(name: str) -> str | None:
   """Why the target cannot be built here, from what is installed (None: nothing missing)."""
   t = _target(name)
   if t.platform == "tpu":
-    from jax._src import cloud_tpu_init  # noqa: PLC0415
+    from jax._src import cloud_tpu_init  # noqa: PLC0415 (TPU-only module)
 
     if cloud_tpu_init.get_tpu_library_path() is None:
       return "libtpu missing (pip install -r requirements-accel.txt)"
@@ -166,7 +171,7 @@ def _ensure_cuda_plugin() -> None:
   with _env("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1"):
     xla_bridge._discover_and_register_pjrt_plugins()  # noqa: SLF001
     if "cuda" not in xla_bridge._topology_factories:  # noqa: SLF001
-      import jax_plugins.xla_cuda12 as cuda_plugin  # noqa: PLC0415
+      import jax_plugins.xla_cuda12 as cuda_plugin  # noqa: PLC0415 (optional accelerator wheels: absent without requirements-accel.txt)
 
       cuda_plugin.initialize()
   if "cuda" not in xla_bridge._topology_factories:  # noqa: SLF001
@@ -180,7 +185,7 @@ def abstract_device(name: str) -> jax.Device:
   reason = _missing(name)
   if reason is not None:
     raise TargetUnavailable(f"target {name}: {reason}")
-  from jax.experimental import topologies  # noqa: PLC0415
+  from jax.experimental import topologies  # noqa: PLC0415 (optional accelerator wheels: absent without requirements-accel.txt)
 
   if t.platform == "tpu":
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # read when libtpu loads
@@ -311,9 +316,7 @@ def kernel_cases() -> list[KernelCase]:
   Qwen's vocabularies), one case per shape. Every head_dim (64, 80, 96, 128, 256), both GQA
   ratios (7:1, 2:1) and every attention path (decode, verify, prefill causal and into a cache)
   is covered; dtypes (bf16, f32) and rows (1, 8, 64) are spread over the cases, not crossed."""
-  import jax.numpy as jnp  # noqa: PLC0415
 
-  from pallas_kernels import attention, logsoftmax, matmul, rmsnorm  # noqa: PLC0415
 
   S = jax.ShapeDtypeStruct
   BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
@@ -401,11 +404,9 @@ def kernel_cases() -> list[KernelCase]:
 
 
 def _main(argv=None) -> int:
-  import argparse  # noqa: PLC0415
-  import time  # noqa: PLC0415
 
   try:  # what a run sets before JAX starts (tlt_jax.determinism: XLA flags, f32 matmul precision)
-    from tlt_jax import determinism  # noqa: PLC0415
+    from tlt_jax import determinism  # noqa: PLC0415 (the CLI sets XLA flags before tlt_jax loads)
 
     determinism.configure("batch_invariant")
   except ImportError:

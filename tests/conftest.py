@@ -9,15 +9,15 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 # The whole suite runs with the flags batch-invariant numerics need (no FMA contraction on CPU),
 # and with XLA's f32 matmuls in full f32 (the default of config.numerics_f32_matmul).
-from tlt_jax import determinism  # noqa: E402
+from tlt_jax import determinism
 
 determinism.configure("batch_invariant")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import pytest
+import torch
 
 _OWN_CACHE_FOLDER = pytest.StashKey[str]()
 
@@ -29,7 +29,7 @@ def pytest_configure(config):
   child process they load from disk instead. The controller makes the folder and names it in
   $TLT_JAX_CACHE_DIR before xdist starts its workers, which inherit it; a folder already named
   there (e.g. one kept between runs) is used as it is."""
-  from tlt_jax import compile_cache  # noqa: PLC0415
+  from tlt_jax import compile_cache
 
   is_xdist_worker = hasattr(config, "workerinput")
   if not is_xdist_worker and compile_cache.ENV_VAR not in os.environ:
@@ -40,7 +40,7 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-  from tlt_jax import compile_cache  # noqa: PLC0415
+  from tlt_jax import compile_cache
 
   folder = config.stash.get(_OWN_CACHE_FOLDER, None)
   if folder:  # made for this run (the controller's, after its workers have ended)
@@ -57,7 +57,7 @@ ONE_DEFAULT_DEVICE = os.environ.get("TLT_TEST_ONE_DEFAULT_DEVICE", "") not in ("
 
 
 def _simulate_one_default_device() -> None:
-  import jax  # noqa: PLC0415
+  import jax
 
   all_devices, all_local_devices = jax.devices, jax.local_devices
 
@@ -87,7 +87,7 @@ def on_devices(n: int):
   interpret mode) use them too, and arrays the block creates live there. Every computation a
   test compares must run inside the block (one platform). Fewer than n host devices fails the
   test: never a silent skip."""
-  import jax  # noqa: PLC0415
+  import jax
 
   default = jax.devices()
   if len(default) >= n:

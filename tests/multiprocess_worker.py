@@ -18,8 +18,8 @@ os.environ["TLT_NO_PROGRESS"] = "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tlt_jax import config as config_lib  # noqa: E402
-from tlt_jax import train  # noqa: E402
+from tlt_jax import config as config_lib
+from tlt_jax import train
 
 
 def job(pid: int, port: int, workdir: str, steps: int) -> dict:

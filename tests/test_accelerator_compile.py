@@ -82,7 +82,7 @@ def test_kernel(case: targets_lib.KernelCase, target: str):
 
 def _tiny_config(arch: str):
   """The HF test models of tests/conftest.py (`_hf_model`), as tlt_jax configs."""
-  from tlt_jax.model.transformer import ModelConfig, RopeScaling  # noqa: PLC0415
+  from tlt_jax.model.transformer import ModelConfig, RopeScaling
 
   tiny = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2)
   if arch == "qwen2":
@@ -98,8 +98,8 @@ def _tiny_config(arch: str):
 
 @functools.cache
 def _tiny_models(arch: str):
-  from tlt_jax.model.drafter import Drafter  # noqa: PLC0415
-  from tlt_jax.model.transformer import Transformer  # noqa: PLC0415
+  from tlt_jax.model.drafter import Drafter
+  from tlt_jax.model.transformer import Transformer
 
   cfg = _tiny_config(arch)
   return Transformer(cfg, nnx.Rngs(0)), Drafter(cfg, nnx.Rngs(1))
@@ -108,9 +108,9 @@ def _tiny_models(arch: str):
 def _engine_program(arch: str, phase: str, target: str):
   """The rollout engine's own program (`ProgramPool._build`), its parameters abstract on the
   target's device: prefill, plain decode, chain verify (drafter included) or tree verify."""
-  from tlt_jax.rollout.config import EngineConfig  # noqa: PLC0415
-  from tlt_jax.rollout.programs import ProgramPool  # noqa: PLC0415
-  from tlt_jax.rollout.tuner import OFF, Arm, tree_arm  # noqa: PLC0415
+  from tlt_jax.rollout.config import EngineConfig
+  from tlt_jax.rollout.programs import ProgramPool
+  from tlt_jax.rollout.tuner import OFF, Arm, tree_arm
 
   model, drafter = _tiny_models(arch)
   arms = {"decode": Arm(OFF), "verify_chain": Arm("chain4", 4),
@@ -131,7 +131,7 @@ def _engine_program(arch: str, phase: str, target: str):
 def _lowered_build(pool, key):
   """`pool._build(key)`, stopped before its `.compile()`: the Lowered, so the test can count
   the Pallas calls in it first."""
-  from tlt_jax.rollout.programs import ProgramPool  # noqa: PLC0415
+  from tlt_jax.rollout.programs import ProgramPool
 
   class Lazy:  # program.lower(...).compile() returns the Lowered
     def __init__(self, jitted):
@@ -148,7 +148,7 @@ def _lowered_build(pool, key):
 def _drafter_step(arch: str):
   """`drafter_trainer.train_step` (EAGLE loss, its gradient, the AdamW update) as a function of
   the drafter's, the optimizer's and the target's state."""
-  from tlt_jax.tlt import drafter_trainer  # noqa: PLC0415
+  from tlt_jax.tlt import drafter_trainer
 
   model, drafter = _tiny_models(arch)
   drafter = nnx.clone(drafter)
@@ -167,8 +167,8 @@ def _drafter_step(arch: str):
 
 def _train_step(arch: str):
   """The RL trainer's gradient program (`StepFunctions.grad`: GRPO loss over one chunk, LoRA)."""
-  from tlt_jax.model import lora  # noqa: PLC0415
-  from tlt_jax.rl import trainer as trainer_lib  # noqa: PLC0415
+  from tlt_jax.model import lora
+  from tlt_jax.rl import trainer as trainer_lib
 
   model = nnx.clone(_tiny_models(arch)[0])
   lora.apply_lora(model, rank=4, alpha=8.0)
@@ -259,7 +259,7 @@ PAPER_LAYERS = [
 def _layer_program(model: str, phase: str, B: int, T: int, num_slots: int):
   """One decoder layer of the model, abstract (no weights), as a function of its state: T new
   tokens of B rows written into a cache of `num_slots`, then attended over all of it."""
-  from tlt_jax.model.transformer import DecoderLayer, ModelConfig  # noqa: PLC0415
+  from tlt_jax.model.transformer import DecoderLayer, ModelConfig
 
   cfg = ModelConfig(**PAPER_MODELS[model])
   layer = nnx.eval_shape(lambda: DecoderLayer(cfg, nnx.Rngs(0)))
@@ -296,7 +296,7 @@ def test_paper_scale_layer(layer, target: str):
 def test_target_platform_follows_the_abstract_device(target: str):
   """Under the target's default device the kernels pick its code path: Pallas, not interpreted,
   with the target's block layout (what the AOT compiles above rely on)."""
-  from pallas_kernels import common  # noqa: PLC0415
+  from pallas_kernels import common
 
   _need(target)
   expected = "tpu" if targets_lib.TARGETS[target].platform == "tpu" else "gpu"

@@ -22,7 +22,7 @@ from flax import nnx
 
 from tests.conftest import on_devices
 from tlt_jax import ops
-from tlt_jax.checkpoint import CheckpointError, Checkpointer, export_adapter, export_merged_hf
+from tlt_jax.checkpoint import Checkpointer, CheckpointError, export_adapter, export_merged_hf
 from tlt_jax.model import hf, lora
 from tlt_jax.model.transformer import ModelConfig, Transformer
 

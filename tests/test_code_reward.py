@@ -174,7 +174,7 @@ MIXED_SOLUTIONS = [
 
 
 def test_mixed_sample_rows_pick_their_reward_and_score_per_kind():
-  from tlt_jax.data.sources import read_rows  # noqa: PLC0415
+  from tlt_jax.data.sources import read_rows
   rows = read_rows(os.path.join(ASSETS, "mixed_sample.jsonl")).rows
   assert [r["reward"] for r in rows] == ["math"] * 3 + ["code"] * 3
   assert [r["answer"] for r in rows[:3]] == ["72", "12", "\\{-2, 3\\}"]
@@ -192,7 +192,7 @@ def test_mixed_sample_rows_pick_their_reward_and_score_per_kind():
 
 
 def test_eurus_layout_and_a_configurable_reward_field(tmp_path):
-  from tlt_jax.data.sources import DataError, read_rows  # noqa: PLC0415
+  from tlt_jax.data.sources import DataError, read_rows
   math_row, code_row = read_rows(os.path.join(ASSETS, "eurus_sample.jsonl"), layout="eurus").rows
   assert math_row["reward"] == "math" and math_row["answer"] == "\\frac{7}{8}"
   assert math_row["prompt"].startswith("Compute")  # the user turn, not the system prompt

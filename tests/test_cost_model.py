@@ -161,7 +161,7 @@ def test_paper_config_predictions_name_their_assumptions():
 
 
 def test_plan_prints_the_predicted_breakdown():
-  from tlt_jax import plan  # noqa: PLC0415
+  from tlt_jax import plan
 
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       "experiments", "configs", "qwen2_5_7b_8gpu.py")

@@ -10,11 +10,10 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import TINY_ARITH_CONFIG
 
 from tlt_jax import config as config_lib
 from tlt_jax import evaluate, job
-
-from conftest import TINY_ARITH_CONFIG
 
 
 def _config(num_problems=6, samples=3):

@@ -13,11 +13,10 @@ import time
 import numpy as np
 import pytest
 import safetensors.numpy
+from conftest import TINY_ARITH_CONFIG
 
 from tlt_jax import config as config_lib
 from tlt_jax import job, metrics, run_state
-
-from conftest import TINY_ARITH_CONFIG
 
 TIMING = {"rollout_s", "reward_wait_s", "train_s", "step_s", "rollout_tokens_per_s"}
 

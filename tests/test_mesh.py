@@ -120,7 +120,7 @@ def test_run_devices_follow_the_default_device(devices):
   under `jax.default_device(host device)` the library's devices are the host's, the kernels
   trace for the host, and meshes have Auto axes (JAX >= 0.11 defaults AbstractMesh and
   jax.make_mesh to Explicit axes, under which the embedding gather does not trace)."""
-  from pallas_kernels import common  # noqa: PLC0415
+  from pallas_kernels import common
 
   host = jax.devices("cpu")
   with jax.default_device(host[0]):
@@ -132,8 +132,8 @@ def test_run_devices_follow_the_default_device(devices):
 
 
 def test_too_many_rollout_groups_is_one_line_naming_the_key():
-  from tlt_jax import config as config_lib  # noqa: PLC0415
-  from tlt_jax import job  # noqa: PLC0415
+  from tlt_jax import config as config_lib
+  from tlt_jax import job
 
   c = config_lib.default_config()
   c.rollout.groups = len(mesh_lib.run_devices(local=True)) + 1

@@ -32,7 +32,7 @@ def test_jsonl_rows_exact(tmp_path):
   assert "NaN" not in lines[0] and "Infinity" not in lines[1]
   # ints stay ints (no "9.0"), numpy / jax scalars become plain JSON numbers
   assert '"tokens": 9,' in lines[1] and '"rollout/accept_len": 3,' in lines[1]
-  assert metrics.read_jsonl(str(tmp_path / "metrics.jsonl")) == [json.loads(l) for l in lines]
+  assert metrics.read_jsonl(str(tmp_path / "metrics.jsonl")) == [json.loads(line) for line in lines]
 
 
 def test_tensorboard_scalars_exact(tmp_path):

@@ -84,7 +84,7 @@ def test_notebook_executes_and_shows_its_results(name, kernel_env, monkeypatch):
 def test_notebooks_are_what_the_generator_writes():
   sys.path.insert(0, NOTEBOOKS)
   try:
-    import make_notebooks  # noqa: PLC0415
+    import make_notebooks
   finally:
     sys.path.remove(NOTEBOOKS)
   assert set(make_notebooks.NOTEBOOKS) == set(EXPECTED)

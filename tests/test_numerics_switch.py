@@ -75,9 +75,9 @@ def test_xla_f32_matmuls_are_full_f32_unless_tf32_is_asked_for():
   round trips and unit importance weights failed on an H200). `determinism.configure` (conftest,
   every CLI) asks for full f32; config.numerics_f32_matmul="tf32" is the named opt-in. CPU has
   no TF32, so this checks what every dot of the model's forward and backward asks XLA for."""
-  from flax import nnx  # noqa: PLC0415
+  from flax import nnx
 
-  from tlt_jax.model.transformer import ModelConfig, Transformer  # noqa: PLC0415
+  from tlt_jax.model.transformer import ModelConfig, Transformer
 
   assert config_lib.default_config().numerics_f32_matmul == "highest"
   assert jax.config.jax_default_matmul_precision == "highest"

@@ -76,7 +76,7 @@ def test_tiny_params_match_the_loaded_checkpoint():
   model = lora.apply_lora(hf.load_model(c.model.hf_dir, dtype=c.model.dtype), rank=c.lora.rank,
                           alpha=c.lora.alpha, targets=tuple(c.lora.targets), seed=c.seed)
   _, adapters, base = nnx.split(model, nnx.LoRAParam, ...)
-  nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+  nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
   assert _row(result, "params")["global_bytes"] == nbytes(base)
   assert _row(result, "trainable")["global_bytes"] == nbytes(adapters)
   # data-parallel mesh: parameters are replicated, so every device holds all of them
@@ -199,7 +199,7 @@ def cli(tmp_path_factory):
   out = tmp_path_factory.mktemp("plan") / "plan.json"
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p))
-  start = lambda *args: subprocess.Popen(  # noqa: E731
+  start = lambda *args: subprocess.Popen(
       [sys.executable, "-m", "tlt_jax.plan", *args], cwd=REPO, env=env, text=True,
       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   runs = {"ok": start("--config", "experiments/configs/tiny_arith.py:smoke", "--json", str(out)),

@@ -87,9 +87,9 @@ MATH500_ROW = {  # HuggingFaceH4/MATH-500: a plain `answer` field beside the sol
 
 
 def _rows(tmp_path, record, **fields):
-  import json  # noqa: PLC0415
+  import json
 
-  from tlt_jax.data.sources import read_rows  # noqa: PLC0415
+  from tlt_jax.data.sources import read_rows
   path = tmp_path / "rows.jsonl"
   path.write_text(json.dumps(record) + "\n")
   return read_rows(str(path), **fields).rows
@@ -117,8 +117,8 @@ def test_a_correct_completion_on_a_gsm8k_row_is_rewarded(tmp_path):
 
 # --- math equivalence on hand-labeled completions (experiments/assets/rewards/) ---------------
 def _labeled_cases():
-  import json  # noqa: PLC0415
-  import os  # noqa: PLC0415
+  import json
+  import os
   path = os.path.join(os.path.dirname(__file__), "..", "experiments", "assets", "rewards",
                       "math_equivalence_cases.jsonl")
   with open(path, encoding="utf-8") as f:
@@ -138,7 +138,7 @@ def test_the_labeled_set_is_large_and_balanced():
 
 @pytest.mark.parametrize("case", LABELED, ids=lambda c: f"{c['category']}-{c['reference'][:12]}")
 def test_combined_grader_agrees_with_the_human_label(case):
-  from tlt_jax.rl.equivalence import grade  # noqa: PLC0415
+  from tlt_jax.rl.equivalence import grade
   if (case["category"], case["reference"]) in KNOWN_WRONG:
     pytest.xfail("math-verify compares an inequality with an interval only one way round")
   correct, path = grade(case["completion"], case["reference"])
@@ -146,9 +146,9 @@ def test_combined_grader_agrees_with_the_human_label(case):
 
 
 def test_math_verify_runs_in_a_helper_process_off_the_main_thread():
-  import concurrent.futures as cf  # noqa: PLC0415
+  import concurrent.futures as cf
 
-  from tlt_jax.rl import equivalence  # noqa: PLC0415
+  from tlt_jax.rl import equivalence
   cases = [("\\boxed{\\{3,2,1\\}}", "\\{1,2,3\\}", True), ("\\boxed{3.14159}", "\\pi", False),
            ("\\boxed{x^2+2x+1}", "(x+1)^2", True), ("#### 12", "12", True)]
   with cf.ThreadPoolExecutor(2) as pool:  # signal-based timeouts would raise in these threads
@@ -158,7 +158,7 @@ def test_math_verify_runs_in_a_helper_process_off_the_main_thread():
 
 
 def test_a_helper_that_overruns_is_killed_and_replaced():
-  from tlt_jax.rl import equivalence  # noqa: PLC0415
+  from tlt_jax.rl import equivalence
   helper = equivalence._Helper()
   # The helper's first answer needs its imports (~1 s): a 1 ms limit must kill it, not hang.
   verdict, timed_out = helper.ask("1", "\\boxed{1}", wall_s=0.001)

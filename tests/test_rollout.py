@@ -175,8 +175,8 @@ def test_tensor_parallel_groups_are_bitwise_the_unsplit_engine():
   parallelism, the Pallas kernels), decoding with a tree: every token and log-prob is bitwise
   the single-device engine's plain decoding (per-query cache layouts, accepted paths moved and
   compaction, all within caches split over the KV heads)."""
-  from tlt_jax.mesh import group_sharding  # noqa: PLC0415
-  from tlt_jax.rollout.groups import GroupedRollout  # noqa: PLC0415
+  from tlt_jax.mesh import group_sharding
+  from tlt_jax.rollout.groups import GroupedRollout
 
   target, draft = _models()
   cfg = dataclasses.replace(CFG, buckets=(2, 4))  # few programs: Pallas interprets on CPU
@@ -207,12 +207,12 @@ def _exact_first_three_token_probs(target, prompt, params):
   """p(t1, t2, t3 | prompt) from plain forwards (the distribution rejection sampling must hit).
   A sample ends at EOS: its remaining tokens are counted as 0, so the cell (EOS, 0, 0) holds
   p(t1 = EOS) and (a, EOS, 0) holds p(a, EOS)."""
-  from tlt_jax.rollout.sampling import masked_logits  # noqa: PLC0415
+  from tlt_jax.rollout.sampling import masked_logits
   P = len(prompt)
   with ops.numerics_mode("batch_invariant"):
     seqs = np.array([prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)], np.int32)
     logits = target(jnp.asarray(seqs)).logits_BxTxV
-    probs = lambda x: np.asarray(jax.nn.softmax(masked_logits(x, params)), np.float64)  # noqa: E731
+    probs = lambda x: np.asarray(jax.nn.softmax(masked_logits(x, params)), np.float64)
     p1 = probs(logits[0, P - 1][None])[0]                        # [V]
     p2 = probs(logits[::VOCAB, P])                               # [V, V]: row a = prompt + [a]
     p3 = probs(logits[:, P + 1]).reshape(VOCAB, VOCAB, VOCAB)    # [V, V, V]
@@ -373,7 +373,7 @@ def test_stop_strings_end_a_sample_at_the_string():
 
 
 def test_gumbel_sd_with_a_trained_drafter_is_bitwise_plain_and_accepts_more():
-  from tlt_jax.tlt.drafter_trainer import train_on_sequences  # noqa: PLC0415
+  from tlt_jax.tlt.drafter_trainer import train_on_sequences
   target, random_drafter = _models()
   engine, reference = _plain()
   sequences = [s.prompt + s.tokens.tolist() for s in reference]

@@ -3,17 +3,15 @@ trains, one fails) that writes the CSV, the Markdown table and the comparison pl
 
 import csv
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from conftest import TINY_ARITH_CONFIG
 
 from experiments import sweep
 from tlt_jax import metrics
-
-from conftest import TINY_ARITH_CONFIG
 
 
 def test_grid_points_multiply_axes_and_add_explicit_points():

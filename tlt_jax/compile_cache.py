@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 
+from jax.experimental.compilation_cache import compilation_cache
+
 ENV_VAR = "TLT_JAX_CACHE_DIR"
 JAX_ENV_VAR = "JAX_COMPILATION_CACHE_DIR"
 
@@ -52,7 +54,6 @@ def configure(cache_dir: str | None) -> str | None:
   effect for the programs compiled after it."""
   global _configured
   import jax  # noqa: PLC0415 (setting config options creates no backend)
-  from jax.experimental.compilation_cache import compilation_cache  # noqa: PLC0415
 
   path = resolve(cache_dir)
   if path == _configured and jax.config.jax_compilation_cache_dir == path:

@@ -3,9 +3,12 @@ that names the key (`--config.model.hiden_size=...` fails instead of being silen
 
 from __future__ import annotations
 
+import importlib.util
+
 import ml_collections
 from ml_collections import config_dict
 
+from tlt_jax.model import hf
 from tlt_jax.model.transformer import ModelConfig, RopeScaling
 from tlt_jax.rollout import tuner
 
@@ -230,7 +233,6 @@ def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
   validate(c)
   m = c.model
   if m.hf_dir:
-    from tlt_jax.model import hf
     return hf.load_config(m.hf_dir, dtype=m.dtype)
   return ModelConfig(arch=m.arch, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
                      intermediate_size=m.intermediate_size, num_layers=m.num_layers,
@@ -245,7 +247,6 @@ __all__ = ["default_config", "validate", "model_config", "RopeScaling"]
 
 def load_config_file(path: str, variant: str | None = None) -> ml_collections.ConfigDict:
   """`get_config(variant)` of an experiment config file, as `--config path[:variant]` loads it."""
-  import importlib.util  # noqa: PLC0415
 
   spec = importlib.util.spec_from_file_location("tlt_experiment_config", path)
   if spec is None:
@@ -257,7 +258,7 @@ def load_config_file(path: str, variant: str | None = None) -> ml_collections.Co
 
 def apply_numerics(c: ml_collections.ConfigDict) -> None:
   """Sets XLA flags (before JAX starts its backends) and the ops switch from the config."""
-  from tlt_jax import determinism, ops  # noqa: PLC0415
+  from tlt_jax import determinism, ops  # noqa: PLC0415 (config is imported by ops' dependencies: a cycle at module level)
 
   determinism.configure(c.numerics, c.xla_determinism, c.numerics_f32_matmul)
   ops.set_numerics(c.numerics, c.numerics_backend)

@@ -85,7 +85,7 @@ def check_cpu_flags() -> None:
   """Batch-invariant numerics on x86 CPU are only exact without FMA contraction: say so early."""
   import jax  # noqa: PLC0415 (creating the backend here is fine: it is being used anyway)
 
-  from tlt_jax import mesh  # noqa: PLC0415
+  from tlt_jax import mesh  # noqa: PLC0415 (mesh imports jax; determinism must stay importable before XLA_FLAGS are set)
 
   missing = missing_flags(required_flags("batch_invariant", xla_determinism=False))
   # The default device's platform when one is set: host devices on a GPU machine need it too.

@@ -64,7 +64,7 @@ def initialize_from_config(c: ml_collections.ConfigDict) -> None:
       raise ValueError(f"jax.distributed is already initialized with {_initialized_with}; this "
                        f"config asks for {kwargs} (distributed.* keys differ)")
     return
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (jax only once a multi-process run asks for it)
 
   if jax.distributed.is_initialized():  # someone else started it; trust them
     _initialized_with = kwargs

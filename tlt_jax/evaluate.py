@@ -28,9 +28,8 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax import checkpoint as ckpt_lib
-from tlt_jax import compile_cache, logs
+from tlt_jax import compile_cache, determinism, logs, metrics, ops
 from tlt_jax import config as config_lib
-from tlt_jax import determinism, metrics, ops
 from tlt_jax import job as job_lib
 from tlt_jax.data import splits
 from tlt_jax.data.stop_strings import engine_detokenize

@@ -13,6 +13,9 @@ from __future__ import annotations
 import logging
 import os
 
+from absl import flags
+from absl import logging as absl_logging
+
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
           "error": logging.ERROR}
 # Python loggers of the libraries that log through the standard logging module (Orbax and Grain
@@ -29,8 +32,6 @@ def configure(level: str = "warning") -> None:
   on stderr. Idempotent; call it at the start of an entry point (inside `app.run`'s main, which
   would otherwise raise absl's verbosity to INFO afterwards)."""
   global _set_xla_cpp_env
-  from absl import flags  # noqa: PLC0415
-  from absl import logging as absl_logging  # noqa: PLC0415
 
   if level not in LEVELS:
     raise ValueError(f"log_level={level!r} must be one of {list(LEVELS)}")

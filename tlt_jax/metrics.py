@@ -66,7 +66,7 @@ class MetricsWriter:
     self._events = None
     if tensorboard:
       # tensorboardX imports torch when installed; import only when TensorBoard is wanted.
-      from tensorboardX.event_file_writer import EventsWriter
+      from tensorboardX.event_file_writer import EventsWriter  # noqa: PLC0415 (tensorboardX imports torch when installed: only when TensorBoard is on)
       tb_dir = os.path.join(workdir, "tb")
       os.makedirs(tb_dir, exist_ok=True)
       # Synchronous writer, not SummaryWriter: its background queue can lose the last events of
@@ -90,7 +90,7 @@ class MetricsWriter:
     self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
     self._jsonl.flush()
     if self._events is not None and numbers:
-      from tensorboardX.proto import event_pb2, summary_pb2
+      from tensorboardX.proto import event_pb2, summary_pb2  # noqa: PLC0415 (tensorboardX imports torch when installed: only when TensorBoard is on)
       summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=k, simple_value=v)
                                            for k, v in numbers.items()])
       self._events.write_event(event_pb2.Event(wall_time=time.time(), step=step,
@@ -132,8 +132,8 @@ def read_tensorboard_scalars(event_dir: str) -> dict[str, list[tuple[int, float]
   TFRecord framing: uint64 length, uint32 masked crc of it, data, uint32 masked crc of data. A
   truncated final record (a killed run) ends that file; a crc mismatch elsewhere raises.
   """
-  from tensorboardX.proto import event_pb2
-  from tensorboardX.record_writer import masked_crc32c
+  from tensorboardX.proto import event_pb2  # noqa: PLC0415 (tensorboardX imports torch when installed: only when TensorBoard is on)
+  from tensorboardX.record_writer import masked_crc32c  # noqa: PLC0415 (tensorboardX imports torch when installed: only when TensorBoard is on)
   out: dict[str, list[tuple[int, float]]] = {}
   for path in sorted(glob.glob(os.path.join(event_dir, "*tfevents*"))):
     with open(path, "rb") as f:
@@ -191,9 +191,9 @@ def plot_run(workdir: str, records: list[dict],
   """
   # Figure + Agg canvas instead of pyplot: no global backend switch (notebooks keep theirs) and no
   # figure registry that leaks across calls.
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-  from matplotlib.ticker import MaxNLocator
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 (matplotlib only when a plot is drawn)
+  from matplotlib.figure import Figure  # noqa: PLC0415 (matplotlib only when a plot is drawn)
+  from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 (matplotlib only when a plot is drawn)
 
   plot_dir = os.path.join(workdir, "plots")
   written: list[str] = []

@@ -16,6 +16,7 @@ import json
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 FINISH_REASONS = ("eos", "stop", "length")
 
@@ -26,7 +27,6 @@ def gather_rollouts(prompts: list[list[int]], tokens: list[np.ndarray],
   """The step's rollouts of all processes, in process order: {"prompts", "tokens", "logprobs"
   (lists), "rewards", "correct" (arrays), "finish" (list)}. Every process must pass the same
   number of samples."""
-  from jax.experimental import multihost_utils  # noqa: PLC0415
 
   N = len(tokens)
   prompt_NxP = np.zeros((N, max_prompt_len), np.int32)
@@ -52,7 +52,6 @@ def gather_rollouts(prompts: list[list[int]], tokens: list[np.ndarray],
 def gather_json(value) -> list:
   """[value of process 0, value of process 1, ...] for a small JSON-able value (iterator and
   tuner states: each process has its own, the checkpoint keeps all of them)."""
-  from jax.experimental import multihost_utils  # noqa: PLC0415
 
   data = np.frombuffer(json.dumps(value).encode(), np.uint8)
   lengths = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int32)))
@@ -74,7 +73,6 @@ def sync_drafter(params, opt_state, steps: int):
   drafter version and the checkpoint's (process 0's) drafter is everyone's.
 
   Returns (params, opt_state, total steps of all processes); unchanged when nobody stepped."""
-  from jax.experimental import multihost_utils  # noqa: PLC0415
 
   steps_P = np.asarray(multihost_utils.process_allgather(np.array([steps], np.int64))).reshape(-1)
   total = int(steps_P.sum())

@@ -28,13 +28,12 @@ import jax
 import jax.numpy as jnp
 from jax._src import config as jax_config
 
-from tlt_jax import determinism
-
 from pallas_kernels import attention as attention_kernels
 from pallas_kernels import common as common_kernels
 from pallas_kernels import logsoftmax as logsoftmax_kernels
 from pallas_kernels import matmul as matmul_kernels
 from pallas_kernels import rmsnorm as rmsnorm_kernels
+from tlt_jax import determinism
 
 NUMERICS_MODES = ("xla", "batch_invariant")
 BACKENDS = ("auto", "pallas", "blocked_jax")

@@ -57,13 +57,26 @@ import ml_collections
 from flax import nnx
 
 from tlt_jax import config as config_lib
+from tlt_jax import determinism, ops
 from tlt_jax import mesh as mesh_lib
-from tlt_jax import ops
 from tlt_jax.model.drafter import Drafter
-from tlt_jax.plan_memory import (GIB, _abstract_model, _bucket_rows, _count, _engine_config,
-                                 _lower_programs, _mesh, _residuals, _Shards, _slots_bytes,
-                                 _slots_shape, _slots_shardings, _split, _summary,
-                                 mesh_sizes)
+from tlt_jax.plan_memory import (
+  GIB,
+  _abstract_model,
+  _bucket_rows,
+  _count,
+  _engine_config,
+  _lower_programs,
+  _mesh,
+  _residuals,
+  _Shards,
+  _slots_bytes,
+  _slots_shape,
+  _slots_shardings,
+  _split,
+  _summary,
+  mesh_sizes,
+)
 from tlt_jax.rl.trainer import TrainConfig, make_optimizer
 from tlt_jax.rollout.tuner import Tuner
 
@@ -139,7 +152,7 @@ def _rollout_rows(c, mcfg, mesh, shards: _Shards, n: int, target, drafter) -> li
   per-query copy of one layer's cache)."""
   t = c.tlt
   ecfg = _engine_config(c, mcfg, t.enabled)
-  D, V, I, H, K, hd = (mcfg.hidden_size, mcfg.vocab_size, mcfg.intermediate_size, mcfg.num_heads,
+  D, V, I, H, K, hd = (  # noqa: E741 (I: the MLP width, in the shape-letter names used here)mcfg.hidden_size, mcfg.vocab_size, mcfg.intermediate_size, mcfg.num_heads,
                        mcfg.num_kv_heads, mcfg.head_dim)
   itemsize, L = jnp.dtype(mcfg.dtype).itemsize, mcfg.num_layers
   bucket, groups = _bucket_rows(c, ecfg)
@@ -234,7 +247,7 @@ def _train_rows(c, mcfg, shards: _Shards, fsdp: int, layer_bytes: float) -> tupl
 
 
 def plan(c: ml_collections.ConfigDict, *, name: str = "config", lower: bool = True,
-         compile: bool = False) -> dict:  # noqa: A002 (the CLI flag's name)
+         compile: bool = False) -> dict:
   """Per-device memory of the job `c` describes, on its mesh; raises PlanDoesNotFit (the result
   attached) when it exceeds plan.device_memory_gib x plan.headroom."""
   config_lib.validate(c)
@@ -424,7 +437,7 @@ def format_prediction(c: ml_collections.ConfigDict, name: str, hardware: str = "
 
 
 def main(argv) -> None:
-  from absl import flags  # noqa: PLC0415
+  from absl import flags  # noqa: PLC0415 (the CLI's flag modules, only when run as a script)
 
   if len(argv) > 1:
     raise SystemExit(f"unexpected arguments {argv[1:]}")
@@ -452,11 +465,10 @@ def main(argv) -> None:
 
 def _start() -> None:
   """Parses the config, asks XLA for its device count, then lets JAX start."""
-  from absl import app, flags  # noqa: PLC0415
-  from jax._src import xla_bridge  # noqa: PLC0415
-  from ml_collections import config_flags  # noqa: PLC0415
+  from absl import app, flags  # noqa: PLC0415 (the CLI's flag modules, only when run as a script)
+  from jax._src import xla_bridge  # noqa: PLC0415 (the CLI's flag modules, only when run as a script)
+  from ml_collections import config_flags  # noqa: PLC0415 (the CLI's flag modules, only when run as a script)
 
-  from tlt_jax import determinism  # noqa: PLC0415
 
   default = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                          "experiments", "configs", "tiny_arith.py")

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 from jax.extend import core as jcore
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tlt_jax import mesh as mesh_lib
 from tlt_jax import ops
@@ -264,7 +265,7 @@ def _residuals(c, mcfg, layers: int, shards: _Shards) -> tuple[float, float]:
 
   def pullback_leaves(trainable, frozen, reference, chunk, extra):
     shim = StepFunctions(tcfg, graphdef)
-    loss = lambda t: shim._loss_fn(t, frozen, reference, jnp.float32(1.0),  # noqa: E731
+    loss = lambda t: shim._loss_fn(t, frozen, reference, jnp.float32(1.0),
                                    *chunk, *extra)
     return jax.tree.leaves(jax.vjp(loss, trainable, has_aux=True)[1])
 
@@ -309,7 +310,7 @@ def _lower_programs(c, mcfg, mesh, shards: _Shards, layers: int, compile_: bool)
   tr = _abstract(trainable, _shardings(trainable, mesh))
   fr = _abstract(frozen, _shardings(frozen, mesh))
   replicated = NamedSharding(mesh, P())
-  batch = lambda x: None if x is None else jax.ShapeDtypeStruct(  # noqa: E731
+  batch = lambda x: None if x is None else jax.ShapeDtypeStruct(
       x.shape, x.dtype, sharding=mesh_lib.batch_sharding(mesh, len(x.shape))
       if x.shape and x.shape[0] % shards.batch == 0 else replicated)
   chunk, extra = (tuple(map(batch, x)) for x in _train_inputs(c))
@@ -331,10 +332,10 @@ def _lower_programs(c, mcfg, mesh, shards: _Shards, layers: int, compile_: bool)
   dgd, dparams = nnx.split(drafter) if drafter is not None else (None, None)
   dparams = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          dparams)
-  models = lambda p, d: (nnx.merge(tgd, p), nnx.merge(dgd, d) if dgd else None)  # noqa: E731
+  models = lambda p, d: (nnx.merge(tgd, p), nnx.merge(dgd, d) if dgd else None)
   slots = _slots_shape(model, drafter, ecfg, rows)
   slots = _abstract(slots, _slots_shardings(slots, mesh, shards, mcfg.num_kv_heads))
-  i32 = lambda *s: batch(jax.ShapeDtypeStruct(s, jnp.int32))  # noqa: E731
+  i32 = lambda *s: batch(jax.ShapeDtypeStruct(s, jnp.int32))
 
   def grad(trainable, frozen, reference, chunk, extra):
     return fns._grad_fn(trainable, frozen, reference, jnp.float32(1.0), *chunk, *extra)

@@ -45,7 +45,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax._src import config as jax_config
 from jax._src.lax import parallel as jax_parallel
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tlt_jax import mesh as mesh_lib
 

@@ -27,9 +27,8 @@ import jax
 import numpy as np
 
 from tlt_jax import checkpoint as ckpt_lib
-from tlt_jax import compile_cache, logs
+from tlt_jax import compile_cache, determinism, distributed, logs, multihost, ops, run_state
 from tlt_jax import config as config_lib
-from tlt_jax import determinism, distributed, multihost, ops, run_state
 from tlt_jax import job as job_lib
 from tlt_jax import metrics as metrics_lib
 from tlt_jax.data import splits

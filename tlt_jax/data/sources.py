@@ -91,7 +91,7 @@ def read_rows(path: str, *, prompt_field: str = "question", answer_field: str = 
     raise FileNotFoundError(f"dataset file {path} does not exist")
   records = []
   if path.endswith(".parquet"):
-    import pyarrow.parquet as pq  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415 (pyarrow only for Parquet files)
     for i, record in enumerate(pq.read_table(path).to_pylist()):
       records.append((f"{path}:row {i}", record, None))
   elif path.endswith((".jsonl", ".json")):

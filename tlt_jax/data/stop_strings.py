@@ -10,6 +10,8 @@ write past its own turn.
 
 from __future__ import annotations
 
+import logging
+
 _PROBE = "tlt stop probe"
 
 
@@ -57,7 +59,6 @@ def check_stop_strings(stop_strings, tokenizer, formatter, eos_ids) -> tuple[tup
 def engine_detokenize(c, tokenizer, formatter, eos_ids):
   """For build_rollout: checks `c.rollout.stop_strings` (logging the notes) and returns the
   engine's detokenize when there are any, else None."""
-  import logging  # noqa: PLC0415
   _, notes = check_stop_strings(c.rollout.stop_strings, tokenizer, formatter, eos_ids)
   for note in notes:
     logging.warning("rollout.stop_strings: %s", note)

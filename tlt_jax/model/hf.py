@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 from flax import nnx
+from tokenizers import Tokenizer
 
 from tlt_jax.model.transformer import ModelConfig, RopeScaling, Transformer
 
@@ -278,7 +279,6 @@ def save_model(model: Transformer, model_dir: str, *, max_shard_bytes: int | Non
 
 def load_tokenizer(model_dir: str):
   """A `tokenizers.Tokenizer` from `tokenizer.json` in model_dir."""
-  from tokenizers import Tokenizer
   path = os.path.join(model_dir, "tokenizer.json")
   if not os.path.exists(path):
     raise CheckpointError(f"{model_dir}: no tokenizer.json")

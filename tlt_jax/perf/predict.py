@@ -12,15 +12,17 @@ sync) and the long-tail simulation of SD off, static SD and TLT driven by those 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 from typing import NamedTuple
 
 import numpy as np
 
 from tlt_jax.model.transformer import ModelConfig
+from tlt_jax.perf import calibration, long_tail
 from tlt_jax.perf import cost_model as cm
-from tlt_jax.perf import long_tail
 from tlt_jax.perf.hardware import Hardware
-from tlt_jax.rollout.tuner import Arm
+from tlt_jax.rollout.tuner import Arm, parse_arms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +150,6 @@ def adapted_accept(arm: Arm) -> float:
 def _job(c):
   """The config's shapes as the rollout and trainer see them."""
   from tlt_jax import config as config_lib  # noqa: PLC0415 (a config-free import for the rest)
-  from tlt_jax.rollout.tuner import parse_arms  # noqa: PLC0415
 
   mcfg = config_lib.model_config(c)
   r = c.rollout
@@ -320,8 +321,6 @@ def assumptions(c, hw: Hardware, j: dict, context: float, train_seq: int) -> dic
 
 def load_config(path: str):
   """`get_config(variant)` of an experiment config file (path[:variant])."""
-  import importlib.util  # noqa: PLC0415
-  import os  # noqa: PLC0415
 
   path, _, variant = path.partition(":")
   name = os.path.splitext(os.path.basename(path))[0]
@@ -333,9 +332,7 @@ def load_config(path: str):
 
 def predict_paper_configs(configs_dir: str, *, seed: int = 0, trials: int = 4) -> dict:
   """`predict_config` for each paper-scale config on its hardware (HARDWARE_OF)."""
-  import os  # noqa: PLC0415
 
-  from tlt_jax.perf import calibration  # noqa: PLC0415
 
   return {name: predict_config(load_config(os.path.join(configs_dir, name + ".py")), name,
                                calibration.profile(hw), seed=seed, trials=trials)

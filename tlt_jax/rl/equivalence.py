@@ -55,7 +55,7 @@ def _as_latex(answer: str) -> str:
 def math_verify_equal(gold: str, predicted: str, timeout_s: int = TIMEOUT_S) -> bool | None:
   """math-verify's verdict in this thread (signal timeouts: main thread only); None when it
   could not parse one of the sides."""
-  from math_verify import parse, verify  # noqa: PLC0415
+  from math_verify import parse, verify  # noqa: PLC0415 (math-verify (and sympy, antlr) only for answers the fast path cannot decide)
   g = parse(_as_latex(gold), parsing_timeout=timeout_s)
   p = parse(predicted, parsing_timeout=timeout_s)
   if not g or not p:

@@ -106,7 +106,7 @@ def _sympy_equal(a: str, b: str) -> bool:
   if len(a) > 200 or len(b) > 200:
     return False
   try:
-    import sympy  # noqa: PLC0415
+    import sympy  # noqa: PLC0415 (sympy only for answers that are not plain numbers)
   except ImportError:
     return False
   try:
@@ -119,7 +119,7 @@ def _sympy_equal(a: str, b: str) -> bool:
 
 
 def _to_sympy(s: str):
-  import sympy  # noqa: PLC0415
+  import sympy  # noqa: PLC0415 (sympy only for answers that are not plain numbers)
   t, previous = s, None
   while t != previous:  # innermost first: \frac{\sqrt{3}}{3}
     previous = t

@@ -25,6 +25,7 @@ import numpy as np
 from tlt_jax.rl.code_reward import CodeSpec, code_reward
 from tlt_jax.rl.equivalence import PATHS, grade
 from tlt_jax.rl.rewards import format_reward
+from tlt_jax.rl.sandbox import Limits
 
 WORKER_KINDS = ("thread", "process", "inline")
 REWARD_KINDS = ("math", "code")
@@ -39,7 +40,6 @@ class RewardSpec:
   @classmethod
   def from_config(cls, rl) -> "RewardSpec":
     """From the config's `rl` section."""
-    from tlt_jax.rl.sandbox import Limits  # noqa: PLC0415
     return cls(rl.correct_weight, rl.format_weight,
                CodeSpec(partial=rl.code_partial, max_tests=rl.code_max_tests,
                         limits=Limits(wall_s=rl.code_timeout_s,

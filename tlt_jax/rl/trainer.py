@@ -181,7 +181,7 @@ def policy_logprobs(model, tokens_NxL: jax.Array, sampling: SamplingParams,
   targets_KxNxC = jnp.pad(targets_NxT, ((0, 0), (0, pad))).reshape(N, -1, C).transpose(1, 0, 2)
   chunk = jax.checkpoint(head)
   logp_KxNxC, entropy_KxNxC = jax.lax.map(lambda hc: chunk(*hc), (hidden_KxNxCxD, targets_KxNxC))
-  whole = lambda x_KxNxC: x_KxNxC.transpose(1, 0, 2).reshape(N, -1)[:, :T]  # noqa: E731
+  whole = lambda x_KxNxC: x_KxNxC.transpose(1, 0, 2).reshape(N, -1)[:, :T]
   return whole(logp_KxNxC), whole(entropy_KxNxC)
 
 
@@ -317,7 +317,7 @@ class StepFunctions:
     # A non-finite gradient keeps the previous parameters and optimizer state (the host then
     # stops the run with the step's statistics): one bad batch never poisons the weights.
     finite = jnp.isfinite(grad_norm)
-    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    keep = lambda new, old: jnp.where(finite, new, old)
     return (jax.tree.map(keep, new_trainable, trainable),
             jax.tree.map(keep, new_opt_state, opt_state), grad_norm)
 
@@ -448,7 +448,7 @@ class Trainer:
     # The update and the gradient sum too (on copies: the update donates its inputs), so the
     # first RL step pays no compile either.
     grads = self._accumulate(grads, grads)
-    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)
     jax.block_until_ready(self._apply(copy(self.trainable), copy(self.opt_state), grads))
     return len(lengths)
 

@@ -8,7 +8,6 @@ by it, so it is frozen and hashable.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import ml_collections
 

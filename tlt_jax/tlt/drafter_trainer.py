@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import safetensors.numpy
 from flax import nnx
 
 from tlt_jax.model.drafter import Drafter, check_fits
@@ -97,7 +98,6 @@ def _flat(drafter: Drafter) -> dict[str, np.ndarray]:
 
 def save_drafter(drafter: Drafter, out_dir: str) -> str:
   """The drafter's weights as one safetensors file (names are NNX paths: 'layer/mlp/...')."""
-  import safetensors.numpy  # noqa: PLC0415
 
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, DRAFTER_FILE)
@@ -108,7 +108,6 @@ def save_drafter(drafter: Drafter, out_dir: str) -> str:
 def load_drafter(path: str, target_cfg: ModelConfig) -> Drafter:
   """A drafter for `target_cfg` with the weights in `path` (a file or its directory); a drafter
   saved for another target fails with the names and shapes that differ."""
-  import safetensors.numpy  # noqa: PLC0415
 
   if os.path.isdir(path):
     path = os.path.join(path, DRAFTER_FILE)

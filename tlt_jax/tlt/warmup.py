@@ -15,7 +15,6 @@ import json
 import os
 import time
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -26,10 +25,10 @@ from tlt_jax.data import splits
 from tlt_jax.data.pipeline import prompt_dataset
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.groups import GroupedRollout
 from tlt_jax.rollout.tuner import OFF, Arm
 from tlt_jax.tlt.buffer import DrafterBuffer
 from tlt_jax.tlt.drafter_trainer import save_drafter
-from tlt_jax.rollout.groups import GroupedRollout
 from tlt_jax.tlt.spot import SpotTrainer
 
 
