@@ -169,8 +169,8 @@ def main() -> None:
 
   results = {}
   for mode in ("xla", "batch_invariant"):
-    completions, tps, diff, backend, copies_diff = run_mode(mode, schedule, target_prompt, state, decode,
-                                      trainer_logprobs, args.seed + 1)
+    completions, tps, diff, backend, copies_diff = run_mode(mode, schedule, target_prompt, state,
+                                                            decode, trainer_logprobs, args.seed + 1)
     results[mode] = dict(unique=len({c.tobytes() for c in completions}), tps=tps, diff=diff,
                          first=first_divergence(completions), n=len(completions),
                          backend=backend, copies_diff=copies_diff)

@@ -28,11 +28,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels import attention as attention_kernels
-from tlt_jax import (
-  compile_cache,
-  logs,
-  ops,
-)
+from tlt_jax import (compile_cache, logs, ops)
 from tlt_jax import config as config_lib
 from tlt_jax import job as job_lib
 from tlt_jax.model.transformer import init_cache

@@ -58,7 +58,8 @@ def bench_math(cases: list[dict]) -> dict:
                  "wrong": [f"{c['category']}: {c['completion'][-60:]!r} vs {c['reference']!r}"
                            f" (truth {c['correct']})" for c in wrong]}
   # GSM8K-style throughput: integer answers, the fast path alone decides them.
-  gsm = [(f"She has {i} + {i} = {2 * i} apples.\n#### {2 * i + i % 2}", str(2 * i)) for i in range(2000)]
+  gsm = [(f"She has {i} + {i} = {2 * i} apples.\n#### {2 * i + i % 2}", str(2 * i))
+         for i in range(2000)]
   t0 = time.perf_counter()
   verdicts = [equivalence.grade(c, r) for c, r in gsm]
   out["combined_gsm8k_style"] = {
@@ -71,9 +72,11 @@ def bench_math(cases: list[dict]) -> dict:
 
 
 CODE_SOLUTIONS = [  # (correct, wrong) for the code rows of mixed_sample.jsonl, in order
-    ("a, b = map(int, input().split())\nprint(a + b)", "a, b = map(int, input().split())\nprint(a * b)"),
+    ("a, b = map(int, input().split())\nprint(a + b)",
+     "a, b = map(int, input().split())\nprint(a * b)"),
     ("def is_even(n):\n  return n % 2 == 0", "def is_even(n):\n  return n % 2"),
-    ("input()\nprint(max(map(int, input().split())))", "input()\nprint(min(map(int, input().split())))"),
+    ("input()\nprint(max(map(int, input().split())))",
+     "input()\nprint(min(map(int, input().split())))"),
 ]
 
 
@@ -99,8 +102,8 @@ def bench_code(samples: int = 48, workers: int = 2) -> dict:
 
 def main() -> None:
   logging.disable(logging.WARNING)  # math-verify logs every unparsable answer
-  result = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "math": bench_math(load_cases()),
-            "code": bench_code()}
+  result = {"machine": f"{platform.machine()} {os.cpu_count()} cores",
+            "math": bench_math(load_cases()), "code": bench_code()}
   os.makedirs("experiments/results", exist_ok=True)
   with open("experiments/results/rewards.json", "w") as f:
     json.dump(result, f, indent=1)

@@ -92,7 +92,8 @@ def main() -> None:
   plain_engine = RolloutEngine(target, cfg)
   warm = plain_engine.generate(prompts(64 if args.quick else 256, rng), arm=OFF)
   drafter = Drafter(TARGET, nnx.Rngs(1))
-  drafter_metrics = train_on_sequences(drafter, target, [s.prompt + s.tokens.tolist() for s in warm],
+  drafter_metrics = train_on_sequences(drafter, target,
+                                       [s.prompt + s.tokens.tolist() for s in warm],
                                        steps=150 if args.quick else 600, batch_size=32)
   warmup_s = time.perf_counter() - t0
 

@@ -137,7 +137,8 @@ def main() -> None:
   parser.add_argument("--order", default=",".join(VARIANTS),
                       help="the first repeat's order; each next repeat rotates it by one")
   parser.add_argument("--drafter", default="",
-                      help="a warmed-up drafter directory (tlt.warmup --out) instead of warming one")
+                      help="a warmed-up drafter directory (tlt.warmup --out) instead of "
+                           "warming one")
   parser.add_argument("--out", default="", help="result file name under experiments/results/")
   parser.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)  # child
   parser.add_argument("--workdir", default="", help=argparse.SUPPRESS)  # child
@@ -194,7 +195,8 @@ def main() -> None:
       "same_trajectory": all(t == trajectories[0] for t in trajectories),
       # Medians over the repeats (each run a fresh process).
       "speedup_end_to_end": base["step_s_total"] / tlt["step_s_total"],
-      "speedup_static_end_to_end": base["step_s_total"] / variants["static_drafter"]["step_s_total"],
+      "speedup_static_end_to_end": (base["step_s_total"]
+                                    / variants["static_drafter"]["step_s_total"]),
       "speedup_rollout": base["rollout_s_total"] / tlt["rollout_s_total"],
       "speedup_train_equalized": train_equalized(variants),
       # baseline / tlt within each repeat (the two ran minutes apart): the spread of the figure.

@@ -3,7 +3,8 @@
     python -m experiments.sweep --config experiments/configs/tiny_arith.py:smoke \\
         --grid rl.lr=1e-3,2e-3 --grid lora.rank=1,8 --out runs/sweep_lr_rank
     python -m experiments.sweep --config experiments/configs/tiny_arith.py:ablation \\
-        --grid lora.rank=1,8,64 --point lora.rank=0,rl.lr=2e-4 --out experiments/results/ablations/lora
+        --grid lora.rank=1,8,64 --point lora.rank=0,rl.lr=2e-4 \\
+        --out experiments/results/ablations/lora
 
 `--grid key=v1,v2` axes multiply; `--point k=v,k=v` adds one explicit point (for settings that
 move together, e.g. full fine-tuning with its own learning rate); `--set k=v` applies to every

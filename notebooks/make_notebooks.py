@@ -53,7 +53,8 @@ formatter = PromptFormatter.from_hf_dir(ASSET, tokenizer)
 eos_ids = (model.cfg.eos_token_id,)
 c = model.cfg
 n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-print(f"{c.arch}: {c.num_layers} layers x {c.hidden_size}, {c.num_heads} heads ({c.num_kv_heads} KV), "
+print(f"{c.arch}: {c.num_layers} layers x {c.hidden_size}, {c.num_heads} heads \
+({c.num_kv_heads} KV), "
       f"vocab {c.vocab_size} (characters), {n_params / 1e6:.2f}M parameters, {c.dtype}")
 '''
 
@@ -98,7 +99,8 @@ from tlt_jax.rollout.tuner import OFF, Arm
 from tlt_jax.tlt.drafter_trainer import train_on_sequences
 
 ops.set_numerics("batch_invariant")
-print("jax", jax.__version__, jax.devices(), "| numerics:", ops.numerics(), "via", ops.backend())'''),
+print("jax", jax.__version__, jax.devices(), "| numerics:", ops.numerics(), "via", \
+ops.backend())'''),
     ("md", '''\
 ## The model and a few problems
 
@@ -182,7 +184,8 @@ with ops.numerics_mode("xla"):
   stats = train_on_sequences(drafter, model, sequences, steps=60, batch_size=16, lr=3e-3)
 print(f"{len(sequences)} rollouts ({sum(map(len, sequences))} tokens) in {seconds:.1f} s; "
       f"60 drafter steps in {time.perf_counter() - t0:.1f} s")
-print(f"drafter loss {stats['loss']:.3f}, top-1 agreement with the target {stats['top1_agreement']:.2f}")
+print(f"drafter loss {stats['loss']:.3f}, top-1 agreement with the target \
+{stats['top1_agreement']:.2f}")
 engine.update_drafter(drafter)
 sd, sd_trace, _ = rollout("chain4")'''),
     ("md", '''\
@@ -245,7 +248,8 @@ With every program compiled, one more rollout each way. Fewer target forwards is
 as less time here: a drafter pass (a full decoder layer plus the lm_head) costs about a quarter
 of this 4-layer target's, each verify pass reads 5 tokens, and on a CPU most of a small step is
 per-op overhead. `BENCHMARKS.md` has the measured picture (SD pays on the wider 8-layer model of
-`experiments/results/rollout.json`, not on this one); the long-tail notebook says where it would.'''),
+`experiments/results/rollout.json`, not on this one); the long-tail notebook says \
+where it would.'''),
     ("code", '''\
 _, _, plain_s = rollout(OFF)
 _, _, sd_s = rollout("chain4")
@@ -542,7 +546,8 @@ plt.show()'''),
     ("md", '''\
 On this CPU the tail is cheap per token: decoding is compute-bound, so compacting the last
 live rows into a smaller bucket makes a step several times cheaper (the per-step times printed
-above), and the tail's share of the time stays close to its share of the tokens. On an accelerator decode is memory-bound
+above), and the tail's share of the time stays close to its share of the tokens. \
+On an accelerator decode is memory-bound
 (each step reads all the weights), a step with a handful of rows costs nearly as much as a full
 batch, so the tail's share of the time approaches its share of the *steps*, and whole groups of
 devices wait for the slowest one. That regime is what the simulation models.
@@ -584,7 +589,8 @@ memory_bound = report["sensitivity"]["per_row_over_fixed"]["memory_bound_0.02"]
 fig, (ax_a, ax_b, ax_c) = plt.subplots(1, 3, figsize=(16, 4.2))
 for name in ("baseline", "tlt"):
   t, n = traces[name]
-  ax_a.step(t, n, where="post", color=colors[name], label=name, lw=2.2 if name == "baseline" else 1.2)
+  ax_a.step(t, n, where="post", color=colors[name], label=name, \
+lw=2.2 if name == "baseline" else 1.2)
 ax_a.axhline(traces["threshold"], color="k", ls=":", lw=1, label="SD threshold")
 ax_a.set_yscale("log")
 ax_a.set_xlabel("time (s, CPU-model units)")

@@ -29,18 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (
-  compiler_params,
-  default_interpret,
-  dot_f32,
-  kernel_layout,
-  next_pow2,
-  out_struct,
-  pad_axis,
-  round_up,
-  tree_sum,
-  vmem,
-)
+from pallas_kernels.common import (compiler_params, default_interpret, dot_f32, kernel_layout,
+                                   next_pow2, out_struct, pad_axis, round_up, tree_sum, vmem)
 
 KV_SPLIT = 32  # keys per step of the online softmax; KV caches are padded to a multiple of this
 BLOCK_Q = 16   # query rows (tokens x query heads of one KV head) per program
@@ -341,6 +331,6 @@ def _attend_splits(q_BxTxHxD, k_DxBxKx1xNxC, v_CxBxKx1xNxD, mask_BxTxS, scale: f
   def merge(carry, terms):  # in slot order; elementwise only, so no shape can reorder it
     return (carry[0] + terms[0], carry[1] + terms[1]), None
 
-  (l, acc), _ = jax.lax.scan(  # noqa: E741 (l: the softmax denominator, as above)merge, (jnp.zeros_like(l_terms[0]), jnp.zeros_like(pv_terms[0])),
-                             (l_terms, pv_terms))
+  (l, acc), _ = jax.lax.scan(  # noqa: E741 (l: the softmax denominator, as above)
+      merge, (jnp.zeros_like(l_terms[0]), jnp.zeros_like(pv_terms[0])), (l_terms, pv_terms))
   return _from_rows(_finish(l, acc).astype(q_BxTxHxD.dtype), B, T, H, D)

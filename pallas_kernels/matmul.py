@@ -16,16 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (
-  compiler_params,
-  default_interpret,
-  dot_f32,
-  kernel_layout,
-  map_row_blocks,
-  out_struct,
-  pad_axis,
-  vmem,
-)
+from pallas_kernels.common import (compiler_params, default_interpret, dot_f32, kernel_layout,
+                                   map_row_blocks, out_struct, pad_axis, vmem)
 
 # (bm, bn, bk) per input dtype and layout: one configuration per backend, used for every shape.
 # GPU (Triton): each program holds a [bm, K] strip of x and a [K, bn] strip of w in global memory

@@ -15,15 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (
-  compiler_params,
-  default_interpret,
-  kernel_layout,
-  next_pow2,
-  out_struct,
-  pad_axis,
-  tree_sum,
-)
+from pallas_kernels.common import (compiler_params, default_interpret, kernel_layout, next_pow2,
+                                   out_struct, pad_axis, tree_sum)
 
 BLOCK_ROWS = 8
 CHUNK = 256  # columns per step of the in-order sum of squares

@@ -69,7 +69,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
 TPU_TARGETS = tuple(n for n, t in TARGETS.items() if t.platform == "tpu")
 GPU_TARGETS = tuple(n for n, t in TARGETS.items() if t.platform == "cuda")
 
-# How a Pallas call shows in the lowered StableHLO of each platform (Mosaic TPU, Triton, Mosaic GPU).
+# How a Pallas call shows in the lowered StableHLO of each platform (Mosaic TPU, Triton,
+# Mosaic GPU).
 PALLAS_CUSTOM_CALLS = {"tpu": ("tpu_custom_call",), "cuda": ("__gpu$xla.gpu.triton",)}
 
 

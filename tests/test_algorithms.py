@@ -15,7 +15,8 @@ def close(a, b, tol=1e-5):
 
 
 def test_grpo_advantages():
-  close(alg.ADVANTAGES["grpo"](jnp.array([1.0, 0.0, 0.0, 1.0]), 2), [0.70711, -0.70711, -0.70711, 0.70711])
+  close(alg.ADVANTAGES["grpo"](jnp.array([1.0, 0.0, 0.0, 1.0]), 2),
+        [0.70711, -0.70711, -0.70711, 0.70711])
   # mean 0.25, Bessel std sqrt((0.5625 + 3 * 0.0625) / 3) = 0.5
   close(alg.ADVANTAGES["grpo"](jnp.array([1.0, 0.0, 0.0, 0.0]), 4), [1.5, -0.5, -0.5, -0.5])
   close(alg.ADVANTAGES["grpo"](jnp.array([1.0, 1.0]), 2), [0.0, 0.0])  # no signal, no NaN

@@ -15,7 +15,8 @@ QWEN_STYLE = (
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-LLAMA_STYLE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] | trim }}"
+LLAMA_STYLE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] | upper }}] "
+               "{{ m['content'] | trim }}"
                "{% if not loop.last %}\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
                " [ASSISTANT]{% endif %}")
 

@@ -47,7 +47,8 @@ def test_test_formats_as_datasets_ship_them():
 
 def test_correct_wrong_and_partial_solutions():
   assert code_reward(CORRECT, SUM_TESTS, FAST) == 1.0
-  assert code_reward(fenced("a, b = map(int, input().split())\nprint(a - b)"), SUM_TESTS, FAST) == 0.0
+  assert code_reward(fenced("a, b = map(int, input().split())\nprint(a - b)"), SUM_TESTS,
+                     FAST) == 0.0
   positive_only = fenced("a, b = map(int, input().split())\nprint(abs(a) + abs(b))")  # 2 of 3
   assert code_reward(positive_only, SUM_TESTS, FAST) == 0.0
   fraction = CodeSpec(partial="fraction", limits=FAST.limits)
@@ -55,7 +56,8 @@ def test_correct_wrong_and_partial_solutions():
   assert code_reward("I would add the numbers.", SUM_TESTS, FAST) == 0.0
   even = fenced("def is_even(n):\n  return n % 2 == 0")
   assert code_reward(even, EVEN_ASSERTS, FAST) == 1.0
-  assert code_reward(fenced("def is_even(n):\n  return n > 1"), EVEN_ASSERTS, fraction) == pytest.approx(1 / 3)
+  assert code_reward(fenced("def is_even(n):\n  return n > 1"), EVEN_ASSERTS,
+                     fraction) == pytest.approx(1 / 3)
   # Exiting early skips the asserts: that is a failure, not a pass.
   assert code_reward(fenced("import sys\ndef is_even(n):\n  return 0\nsys.exit(0)"), EVEN_ASSERTS,
                      FAST) == 0.0
@@ -83,7 +85,8 @@ def test_fork_bomb():
   bomb = fenced("import os\nwhile True:\n  os.fork()")
   assert code_reward(bomb, SUM_TESTS, FAST) == 0.0
   via_subprocess = fenced("import subprocess, sys\nwhile True:\n"
-                          "  subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])")
+                          "  subprocess.Popen([sys.executable, '-c', "
+                          "'import time; time.sleep(60)'])")
   assert code_reward(via_subprocess, SUM_TESTS, FAST) == 0.0
   # Native code cannot fork either (the seccomp filter); one fork at most, so this test is safe
   # even where the filter is missing. Threads still work.

@@ -18,7 +18,8 @@ import jax, jax.numpy as jnp
 from tlt_jax import compile_cache
 hits = []
 jax.monitoring.register_event_listener(
-    lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
+    lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" \
+else None)
 folder = compile_cache.configure(sys.argv[1] if len(sys.argv) > 1 else None)
 jax.block_until_ready(jax.jit(lambda x: jnp.tanh(x) @ x.T + 1.0)(jnp.ones((8, 8))))
 print(json.dumps({"folder": folder, "hits": len(hits)}))

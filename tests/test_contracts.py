@@ -38,7 +38,8 @@ def _model(dtype: str, num_layers: int = 2):
                       "down_proj", "lm_head"))
   for i, module in enumerate(lora_modules(model).values()):
     b = module.lora_b.get_value()
-    module.lora_b.set_value((0.05 * jax.random.normal(jax.random.key(100 + i), b.shape)).astype(b.dtype))
+    module.lora_b.set_value(
+        (0.05 * jax.random.normal(jax.random.key(100 + i), b.shape)).astype(b.dtype))
   graphdef, state = nnx.split(model)
 
   @jax.jit

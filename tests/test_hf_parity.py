@@ -39,7 +39,8 @@ def test_config_flags(hf_checkpoint):
 def test_logits_and_hidden_match_hf(hf_checkpoint):
   _, ref, path = hf_checkpoint
   model = hf.load_model(path)
-  tokens = _tokens(model.cfg.vocab_size, (3, 40))  # 40 > original context 16: llama3 scaling matters
+  # 40 > original context 16: llama3 scaling matters
+  tokens = _tokens(model.cfg.vocab_size, (3, 40))
   ref_logits, ref_hidden = _hf_forward(ref, tokens)
   out = model(jnp.asarray(tokens))
   np.testing.assert_allclose(np.asarray(out.logits_BxTxV), ref_logits, atol=1e-4, rtol=0)

@@ -96,7 +96,8 @@ def test_log_softmax_and_token_logprobs_ragged(impl):
                                 np.asarray(tok)[2:3, 1:2])
   # Exactly what the log-softmax row says at the token: one definition of log-prob.
   np.testing.assert_array_equal(
-      np.asarray(tok), np.take_along_axis(np.asarray(out), np.asarray(tokens)[..., None], -1)[..., 0])
+      np.asarray(tok),
+      np.take_along_axis(np.asarray(out), np.asarray(tokens)[..., None], -1)[..., 0])
 
 
 def _attention_inputs(dtype, B=3, T=11, H=4, K=2, D=24, S=45):

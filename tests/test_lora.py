@@ -23,7 +23,8 @@ def _tokens(shape, seed=0):
 def _randomise_b(model, seed=1):
   key = jax.random.key(seed)
   for i, mod in enumerate(lora.lora_modules(model).values()):
-    mod.lora_b.set_value(0.05 * jax.random.normal(jax.random.fold_in(key, i), mod.lora_b[...].shape))
+    mod.lora_b.set_value(
+        0.05 * jax.random.normal(jax.random.fold_in(key, i), mod.lora_b[...].shape))
 
 
 def test_zero_b_is_bitwise_identity(hf_checkpoint):
@@ -54,7 +55,8 @@ def test_optimizer_step_moves_only_lora(hf_checkpoint):
   new_params = optax.apply_updates(params, updates)
   mask = lora.trainable_mask(params)
   changed_lora = 0
-  for m, old, new in zip(jax.tree.leaves(mask), jax.tree.leaves(params), jax.tree.leaves(new_params)):
+  for m, old, new in zip(jax.tree.leaves(mask), jax.tree.leaves(params),
+                         jax.tree.leaves(new_params)):
     if m:
       changed_lora += int(not np.array_equal(np.asarray(old), np.asarray(new)))
     else:
@@ -107,7 +109,8 @@ def test_lora_only_save_load_roundtrip(hf_checkpoint, tmp_path):
   b = lora.load_lora(lora.apply_lora(hf.load_model(path), rank=2, alpha=8.0, targets=TARGETS,
                                      seed=2), str(tmp_path / "lora.safetensors"))
   tokens = _tokens((1, 6))
-  np.testing.assert_array_equal(np.asarray(a(tokens).logits_BxTxV), np.asarray(b(tokens).logits_BxTxV))
+  np.testing.assert_array_equal(np.asarray(a(tokens).logits_BxTxV),
+                                np.asarray(b(tokens).logits_BxTxV))
   wrong_rank = lora.apply_lora(hf.load_model(path), rank=3, alpha=8.0, targets=TARGETS)
   with pytest.raises(ValueError, match="lora_A.weight' has shape"):
     lora.load_lora(wrong_rank, str(tmp_path / "lora.safetensors"))

@@ -79,4 +79,5 @@ def test_two_processes_run_rl_steps_with_tlt_resume_and_agree(tmp_path):
   assert rows[0][0]["sd_chunk_fraction"] > 0 and rows[1][0]["sd_chunk_fraction"] > 0
   assert sorted(os.listdir(workdir / "drafter_buffer")) == ["process_0", "process_1"]
   assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2"]
-  assert (workdir / "summary.json").exists() and not (workdir / "process_1" / "summary.json").exists()
+  assert ((workdir / "summary.json").exists()
+          and not (workdir / "process_1" / "summary.json").exists())

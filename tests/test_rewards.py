@@ -33,8 +33,9 @@ EQUIVALENT = [
 ]
 
 NOT_EQUIVALENT = [
-    ("41", "42"), ("1,001", "1000"), ("0.33", "\\frac{1}{3}"), ("-5", "5"), ("2\\sqrt{3}", "\\sqrt{8}"),
-    ("1/0", "0"), ("", "0"), ("\\frac{1}{2", "0.5"), ("x^2", "x^3"), ("12", "1,2"),
+    ("41", "42"), ("1,001", "1000"), ("0.33", "\\frac{1}{3}"), ("-5", "5"),
+    ("2\\sqrt{3}", "\\sqrt{8}"), ("1/0", "0"), ("", "0"), ("\\frac{1}{2", "0.5"), ("x^2", "x^3"),
+    ("12", "1,2"),
 ]
 
 
@@ -68,8 +69,8 @@ GSM8K_ROW = {
     "question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many "
                 "clips to her friends in May. How many clips did Natalia sell altogether in April "
                 "and May?",
-    "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 "
-              "clips altogether in April and May.\n#### 72"}
+    "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = "
+              "<<48+24=72>>72 clips altogether in April and May.\n#### 72"}
 MATH_ROW = {  # hendrycks MATH: the answer is the last \boxed{} of the worked solution
     "problem": "If $x^2+y^2=1$, what is the largest possible value of $|x|+|y|$?",
     "level": "Level 5", "type": "Algebra",
@@ -108,7 +109,8 @@ def test_reference_answers_are_taken_from_the_datasets_formats_at_load_time(tmp_
 
 def test_a_correct_completion_on_a_gsm8k_row_is_rewarded(tmp_path):
   [row] = _rows(tmp_path, GSM8K_ROW)
-  completion = "In May she sold 48 / 2 = 24 clips, so 48 + 24 = 72 in all. So the answer is \\boxed{72}."
+  completion = ("In May she sold 48 / 2 = 24 clips, so 48 + 24 = 72 in all. "
+                "So the answer is \\boxed{72}.")
   assert math_reward(completion, row["answer"]) == 1.0
   assert math_reward(completion.replace("72", "70"), row["answer"]) == 0.0
   # The bug this fixes: against the raw worked solution every correct completion scored 0.

@@ -1,6 +1,6 @@
-"""Long-tail scheduler on 8 devices (the host's on a single-accelerator machine): grouped rollouts are bitwise one engine's; drafter steps
-run only on devices whose group has finished; stopping at the barrier loses nothing; the engines
-serve the newest published drafter."""
+"""Long-tail scheduler on 8 devices (the host's on a single-accelerator machine): grouped rollouts
+are bitwise one engine's; drafter steps run only on devices whose group has finished; stopping at
+the barrier loses nothing; the engines serve the newest published drafter."""
 
 import functools
 

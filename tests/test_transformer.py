@@ -40,13 +40,14 @@ def test_explicit_mask_with_shared_positions(model):
   mask[0, 0, :4] = mask[0, 1, :4] = True
   mask[0, 0, 4] = True  # branch 0 in slot 4 sees itself
   mask[0, 1, 5] = True  # branch 1 in slot 5 sees itself, not branch 0
-  out = model(branches, jnp.asarray([[4, 4]]), cache=cache, write_slot_B=jnp.full((1,), 4, jnp.int32),
-              mask_BxTxS=jnp.asarray(mask))
+  out = model(branches, jnp.asarray([[4, 4]]), cache=cache,
+              write_slot_B=jnp.full((1,), 4, jnp.int32), mask_BxTxS=jnp.asarray(mask))
   for i, tok in enumerate([5, 9]):
     seq = jnp.concatenate([prefix, jnp.asarray([[tok]], jnp.int32)], 1)
     np.testing.assert_allclose(out.logits_BxTxV[0, i], model(seq).logits_BxTxV[0, -1], atol=1e-5)
   with pytest.raises(ValueError, match="mask shape"):
-    model(branches, cache=cache, write_slot_B=jnp.zeros(1, jnp.int32), mask_BxTxS=jnp.asarray(mask[:, :, :5]))
+    model(branches, cache=cache, write_slot_B=jnp.zeros(1, jnp.int32),
+          mask_BxTxS=jnp.asarray(mask[:, :, :5]))
 
 
 def test_causal_mask_helper():

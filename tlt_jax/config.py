@@ -116,7 +116,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.plan = ml_collections.ConfigDict(dict(
       device_count=0,  # devices the mesh spans (all hosts); 0 = the local devices
       device_memory_gib=0.0,  # per device (H100 80, H200 141, v5p 95); 0 = no fit check
-      headroom=0.9,  # usable share of device_memory_gib (XLA, the runtime and fragmentation take the rest)
+      # usable share of device_memory_gib (XLA, the runtime and fragmentation take the rest)
+      headroom=0.9,
       lower_layers=2))  # decoder layers in the lowered programs (layers are identical); 0 = all
   # --- multi-host: jax.distributed.initialize (tlt_jax/distributed.py); 1 process = off
   c.distributed = ml_collections.ConfigDict(dict(

@@ -198,8 +198,8 @@ if __name__ == "__main__":
   from absl import app, flags
   from ml_collections import config_flags
 
-  config_flags.DEFINE_config_file("config", job_lib.DEFAULT_CONFIG, "experiment config file[:variant]",
-                                  lock_config=True)
+  config_flags.DEFINE_config_file("config", job_lib.DEFAULT_CONFIG,
+                                  "experiment config file[:variant]", lock_config=True)
   flags.DEFINE_string("checkpoint", "", "run workdir, PEFT adapter dir or HF checkpoint dir")
   flags.DEFINE_integer("step", None, "checkpoint step of a run workdir (default: the newest)")
   flags.DEFINE_integer("samples", None, "samples per problem K (default: eval.samples)")

@@ -198,7 +198,8 @@ def log_softmax(logits: jax.Array) -> jax.Array:
 
 def token_logprobs(logits_BxTxV: jax.Array, tokens_BxT: jax.Array,
                    temperature: float = 1.0) -> jax.Array:
-  """log p(token) under softmax(logits / temperature); the one definition sampler and trainer share."""
+  """log p(token) under softmax(logits / temperature); the one definition sampler and trainer
+  share."""
   scaled = logits_BxTxV.astype(jnp.float32) / temperature
   impl = backend()
   reference = logsoftmax_kernels.token_logprobs_reference

@@ -60,23 +60,9 @@ from tlt_jax import config as config_lib
 from tlt_jax import determinism, ops
 from tlt_jax import mesh as mesh_lib
 from tlt_jax.model.drafter import Drafter
-from tlt_jax.plan_memory import (
-  GIB,
-  _abstract_model,
-  _bucket_rows,
-  _count,
-  _engine_config,
-  _lower_programs,
-  _mesh,
-  _residuals,
-  _Shards,
-  _slots_bytes,
-  _slots_shape,
-  _slots_shardings,
-  _split,
-  _summary,
-  mesh_sizes,
-)
+from tlt_jax.plan_memory import (GIB, _abstract_model, _bucket_rows, _count, _engine_config,
+                                 _lower_programs, _mesh, _residuals, _Shards, _slots_bytes,
+                                 _slots_shape, _slots_shardings, _split, _summary, mesh_sizes)
 from tlt_jax.rl.trainer import TrainConfig, make_optimizer
 from tlt_jax.rollout.tuner import Tuner
 
@@ -152,7 +138,8 @@ def _rollout_rows(c, mcfg, mesh, shards: _Shards, n: int, target, drafter) -> li
   per-query copy of one layer's cache)."""
   t = c.tlt
   ecfg = _engine_config(c, mcfg, t.enabled)
-  D, V, I, H, K, hd = (  # noqa: E741 (I: the MLP width, in the shape-letter names used here)mcfg.hidden_size, mcfg.vocab_size, mcfg.intermediate_size, mcfg.num_heads,
+  D, V, I, H, K, hd = (  # noqa: E741 (I: the MLP width, in the shape-letter names used here)
+      mcfg.hidden_size, mcfg.vocab_size, mcfg.intermediate_size, mcfg.num_heads,
                        mcfg.num_kv_heads, mcfg.head_dim)
   itemsize, L = jnp.dtype(mcfg.dtype).itemsize, mcfg.num_layers
   bucket, groups = _bucket_rows(c, ecfg)
@@ -297,7 +284,8 @@ def plan(c: ml_collections.ConfigDict, *, name: str = "config", lower: bool = Tr
   with ops.numerics_mode(c.numerics, c.numerics_backend):
     kernels = ops.backend()
   notes = [remat_note] + ([f"rl.chunk_rows={c.rl.chunk_rows} is not a multiple of data x "
-                           f"fsdp={shards.batch}: the trainer refuses it (each device takes whole rows)"]
+                           f"fsdp={shards.batch}: the trainer refuses it (each device takes "
+                           "whole rows)"]
                           if c.rl.chunk_rows % shards.batch else []) + [
       "assumed: engine and trainer both lay out on c.mesh. The engine does so with "
       "rollout.tensor_parallel=True and mesh.model devices per rollout group (local devices / "
@@ -430,7 +418,8 @@ def format_prediction(c: ml_collections.ConfigDict, name: str, hardware: str = "
   lines.append(f"  predicted speedup: TLT {r['predicted_speedup_tlt']:.2f}x, static SD "
                f"{r['predicted_speedup_static_sd']:.2f}x, adaptive SD "
                f"{r['predicted_speedup_adaptive_sd']:.2f}x over SD off; idle device-s for the "
-               f"drafter {r['idle_device_s_for_drafter']:.1f}; TLT needs ({r['accept_needed_arm']}) "
+               f"drafter {r['idle_device_s_for_drafter']:.1f}; TLT needs "
+               f"({r['accept_needed_arm']}) "
                + needed)
   lines += [f"  assumed {k}: {a}" for k, a in r["assumptions"].items()]
   return "\n".join(lines)

@@ -2,7 +2,8 @@
 
     python -m tlt_jax.train                                   # experiments/configs/tiny_arith.py
     python -m tlt_jax.train --config experiments/configs/tiny_arith.py:smoke
-    python -m tlt_jax.train --config experiments/configs/X.py --config.rl.lr=1e-3 --config.workdir=runs/a
+    python -m tlt_jax.train --config experiments/configs/X.py --config.rl.lr=1e-3 \\
+        --config.workdir=runs/a
 
 `run(c)` builds the job (tlt_jax/job.py), compiles its programs, resumes from the newest
 checkpoint or evaluates the starting policy, then runs `rl.steps` RL steps (tlt_jax/rl/step.py)
@@ -261,7 +262,8 @@ def _finish(job: job_lib.Job, progress: run_state.Progress, eval_after: dict, la
       "accept_len_mean": (float(np.mean([x["accept_len"] for x in steps_run]))
                           if speculative else None),
       "eval_problems": len(job.eval_rows), "eval_samples": c.eval.samples,
-      "eval_accuracy_before": eval_before["accuracy"], "eval_accuracy_after": eval_after["accuracy"],
+      "eval_accuracy_before": eval_before["accuracy"],
+      "eval_accuracy_after": eval_after["accuracy"],
       "eval_before": eval_before, "eval_after": eval_after,
       "reward_first": steps_run[0]["reward_mean"] if steps_run else None,
       "reward_last": steps_run[-1]["reward_mean"] if steps_run else None,

@@ -20,16 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tlt_jax.model.transformer import (
-  DecoderLayer,
-  KVCache,
-  Linear,
-  ModelConfig,
-  RMSNorm,
-  Transformer,
-  causal_mask,
-  init_cache,
-)
+from tlt_jax.model.transformer import (DecoderLayer, KVCache, Linear, ModelConfig, RMSNorm,
+                                       Transformer, causal_mask, init_cache)
 
 
 def drafter_config(target: ModelConfig) -> ModelConfig:

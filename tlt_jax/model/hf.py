@@ -1,4 +1,5 @@
-"""HF checkpoints in and out: `config.json` + safetensors (single file or sharded index), tokenizer.json.
+"""HF checkpoints in and out: `config.json` + safetensors (single file or sharded index),
+tokenizer.json.
 
 Loading checks every tensor against the model it fills: a missing tensor, an unexpected one, or a
 wrong shape is an error that names the tensor and both shapes, before anything is overwritten.
@@ -21,7 +22,8 @@ from tlt_jax.model.transformer import ModelConfig, RopeScaling, Transformer
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 
 
 class CheckpointError(ValueError):

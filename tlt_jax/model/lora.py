@@ -32,8 +32,8 @@ class LoRALinear(nnx.Module):
     self.base = base
     dtype = base.kernel[...].dtype
     bound = 1.0 / math.sqrt(base.d_in)
-    self.lora_a = nnx.LoRAParam(
-        jax.random.uniform(rngs.params(), (base.d_in, rank), jnp.float32, -bound, bound).astype(dtype))
+    self.lora_a = nnx.LoRAParam(jax.random.uniform(
+        rngs.params(), (base.d_in, rank), jnp.float32, -bound, bound).astype(dtype))
     self.lora_b = nnx.LoRAParam(jnp.zeros((rank, base.d_out), dtype))
     self.scale = alpha / rank
     self.rank, self.alpha = rank, alpha
@@ -92,7 +92,8 @@ def trainable_mask(params_state) -> object:
                                 is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
-def masked_optimizer(tx: optax.GradientTransformation, params_state) -> optax.GradientTransformation:
+def masked_optimizer(tx: optax.GradientTransformation,
+                     params_state) -> optax.GradientTransformation:
   """`tx` on LoRA parameters; frozen (zero update, no optimizer state) everywhere else."""
   labels = jax.tree_util.tree_map(lambda v: "lora" if v else "frozen", trainable_mask(params_state))
   return optax.multi_transform({"lora": tx, "frozen": optax.set_to_zero()}, labels)
@@ -106,8 +107,10 @@ def lora_tensors(model: Transformer) -> dict[str, np.ndarray]:
   """PEFT names and layouts: lora_A.weight is [r, d_in], lora_B.weight is [d_out, r]."""
   out = {}
   for name, mod in lora_modules(model).items():
-    out[f"base_model.model.{name}.lora_A.weight"] = np.ascontiguousarray(np.asarray(mod.lora_a[...]).T)
-    out[f"base_model.model.{name}.lora_B.weight"] = np.ascontiguousarray(np.asarray(mod.lora_b[...]).T)
+    out[f"base_model.model.{name}.lora_A.weight"] = np.ascontiguousarray(
+        np.asarray(mod.lora_a[...]).T)
+    out[f"base_model.model.{name}.lora_B.weight"] = np.ascontiguousarray(
+        np.asarray(mod.lora_b[...]).T)
   return out
 
 

@@ -1,7 +1,8 @@
 """One decoder for the Llama / Qwen2 / Qwen3 family, in Flax NNX.
 
 Differences between the three are flags of `ModelConfig`: q/k/v bias (Qwen2), per-head q/k
-RMSNorm (Qwen3), head_dim independent of hidden/heads (Qwen3), Llama-3 RoPE scaling, tied embeddings.
+RMSNorm (Qwen3), head_dim independent of hidden/heads (Qwen3), Llama-3 RoPE scaling, tied
+embeddings.
 
 The KV cache is a plain pytree passed in and returned (not NNX state), so programs that decode can
 donate it and update it in place. Cache slots and RoPE positions are separate inputs: a tree of
@@ -145,7 +146,8 @@ class RMSNorm(nnx.Module):
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   """Inverse frequencies [head_dim/2] in f32, the way HF computes them (incl. Llama-3 scaling)."""
   dim = cfg.head_dim
-  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+  inv_freq = 1.0 / (cfg.rope_theta
+                    ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
   inv_freq = inv_freq.astype(np.float32)
   s = cfg.rope_scaling
   if s is None:
@@ -238,9 +240,12 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     dt = cfg.jnp_dtype
-    self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, dtype=dt, rngs=rngs)
-    self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, dtype=dt, rngs=rngs)
-    self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=False, dtype=dt, rngs=rngs)
+    self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, dtype=dt,
+                            rngs=rngs)
+    self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, dtype=dt,
+                          rngs=rngs)
+    self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=False, dtype=dt,
+                            rngs=rngs)
 
   def __call__(self, x):
     h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)

@@ -52,7 +52,8 @@ def itemsize(cfg: ModelConfig) -> int:
 def layer_matmul_params(cfg: ModelConfig, qkv_in: int | None = None) -> int:
   """Weights one token multiplies by in one decoder layer (norm weights and biases are noise).
   `qkv_in`: the q/k/v input width (EAGLE-3 layers read [embedding; feature] = 2 x hidden)."""
-  D, I, H, K, hd = (  # noqa: E741 (I: the MLP width, in the shape-letter names used here)cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+  D, I, H, K, hd = (  # noqa: E741 (I: the MLP width, in the shape-letter names used here)
+      cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                     cfg.head_dim)
   qkv_in = D if qkv_in is None else qkv_in
   return qkv_in * (H + 2 * K) * hd + H * hd * D + 3 * D * I

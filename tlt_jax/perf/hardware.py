@@ -56,7 +56,8 @@ H100_SXM = Hardware(
             "both directions); memory_bandwidth 3.352e12 in XLA's h100_sxm.txtpb")
 H200 = Hardware(
     "h200", 989.4 * TERA, 4.8 * TERA, 450 * GIGA, 141e9,
-    sources="NVIDIA H200 datasheet (989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s)")
+    sources="NVIDIA H200 datasheet (989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, 141 GB, "
+            "NVLink 900 GB/s)")
 H20 = Hardware(
     "h20", 148 * TERA, 4.0 * TERA, 450 * GIGA, 96e9,
     sources="fastrl issue 7 / issue 23 text (148 TFLOP/s bf16, 4.0 TB/s); NVLink 900 GB/s, 96 GB "

@@ -104,7 +104,8 @@ def tail_params(cfg: ModelConfig, hw: Hardware, *, tp: int, context: float, arm:
   round / plain - 1, as `long_tail.fit_sd` takes it from measurements."""
   bs = [b for b in (2 ** i for i in range(16)) if b <= max_live]
   plain = np.array([cm.seconds(plain_cost(cfg, b, context, tp, stack), hw) for b in bs])
-  per_row, fixed = np.polyfit(np.array(bs, np.float64), plain, 1) if len(bs) > 1 else (0.0, plain[0])
+  per_row, fixed = (np.polyfit(np.array(bs, np.float64), plain, 1) if len(bs) > 1
+                    else (0.0, plain[0]))
   tail = [b for b in bs if b <= sd_threshold]
   rounds = np.array([cm.seconds(round_cost(cfg, arm, b, context, tp, stack), hw) for b in tail])
   ratio = rounds / plain[:len(tail)]
@@ -267,7 +268,8 @@ def predict_config(c, name: str, hw: Hardware, *, seed: int = 0, trials: int = 4
       return None
     for _ in range(12):
       mid = (lo + hi) / 2
-      lo, hi = (mid, hi) if run(adaptive_tlt, mid)[0]["sd_static"]["speedup"] < target else (lo, mid)
+      lo, hi = ((mid, hi) if run(adaptive_tlt, mid)[0]["sd_static"]["speedup"] < target
+                else (lo, mid))
     return round(hi, 2)
 
   keep = ("accept_len", "rollout_s", "step_s", "speedup", "speedup_range", "idle_device_s",

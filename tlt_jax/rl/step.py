@@ -93,7 +93,8 @@ def rollout(job: Job, step: int, rows: list[dict], *, on_sample=None) -> Rollout
   return Rollout(prompts=prompts_out, tokens=tokens, logprobs=logps, rewards_N=rewards,
                  correct_N=correct, finish=finish,
                  local_tokens=sum(len(s.tokens) for s in samples), report=engine.last_report,
-                 reward_record=reward_record, drafter_record=drafter_record, rollout_s=rollout_s, reward_wait_s=reward_wait_s)
+                 reward_record=reward_record, drafter_record=drafter_record, rollout_s=rollout_s,
+                 reward_wait_s=reward_wait_s)
 
 
 def _drafter_side(job: Job, step: int, samples, report) -> dict:

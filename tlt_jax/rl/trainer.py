@@ -133,8 +133,9 @@ class Batch:
     return last + 1
 
 
-def make_batch(prompts: list[list[int]], responses: list[np.ndarray], sampler_logps: list[np.ndarray],
-               advantages_N: np.ndarray, length: int, *, weights_N: np.ndarray | None = None) -> Batch:
+def make_batch(prompts: list[list[int]], responses: list[np.ndarray],
+               sampler_logps: list[np.ndarray], advantages_N: np.ndarray, length: int, *,
+               weights_N: np.ndarray | None = None) -> Batch:
   """Packs (prompt, response, its sampler log-probs) rows; `weights_N` = 0 drops a sequence
   from the loss (DAPO's filtered groups) without changing the batch shape."""
   N = len(prompts)

@@ -145,7 +145,8 @@ class RolloutEngine:
     cfg = self.cfg
     max_new = min(max_new_tokens or cfg.max_new_tokens, cfg.max_new_tokens)
     num_samples = len(prompts) * group_size
-    budgets = list(max_new_per_sample) if max_new_per_sample is not None else [max_new] * num_samples
+    budgets = (list(max_new_per_sample) if max_new_per_sample is not None
+               else [max_new] * num_samples)
     if len(budgets) != num_samples or min(budgets) < 1 or max(budgets) > cfg.max_new_tokens:
       raise ValueError(f"max_new_per_sample needs {num_samples} budgets in "
                        f"[1, {cfg.max_new_tokens}]")

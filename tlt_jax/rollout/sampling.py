@@ -1,4 +1,5 @@
-"""Counter-based sampling: token t of sample s is argmax(masked logits / T + Gumbel(key(seed, s, t))).
+"""Counter-based sampling: token t of sample s is
+argmax(masked logits / T + Gumbel(key(seed, s, t))).
 
 The noise depends only on (seed, sample id, position), never on the slot, batch or loop step, so
 any schedule of the same samples produces the same tokens. Top-k / top-p masks are computed per

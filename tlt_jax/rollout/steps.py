@@ -124,7 +124,8 @@ def _sd_step(target, drafter, cfg: EngineConfig, depth: int, s: Slots, seed):
   tok, feat, draft_cache = s.token, s.prev_hidden, s.draft_cache
   drafts, draft_masked = [], []
   for j in range(depth):
-    dlogits, dfeat, draft_cache = drafter(target, tok[:, None], feat[:, None], draft_cache, s.pos + j)
+    dlogits, dfeat, draft_cache = drafter(target, tok[:, None], feat[:, None], draft_cache,
+                                          s.pos + j)
     masked = sampling.masked_logits(dlogits[:, 0], cfg.sampling)
     tok = sampling.sample_from_masked(masked, seed, s.sample_id, s.pos + j + 1, greedy, purpose)
     feat = dfeat[:, 0]
@@ -267,9 +268,10 @@ def _tree_step(target, drafter, cfg: EngineConfig, arm: Arm, s: Slots, seed):
   ver_tok = jnp.take_along_axis(node_tok, chosen, axis=1)
   ver_depth = jnp.take_along_axis(node_depth, chosen, axis=1)
   parent_of = jnp.take_along_axis(node_parent, chosen, axis=1)
-  ver_parent = jnp.where(parent_of >= 0, jnp.take_along_axis(rank, jnp.maximum(parent_of, 0), 1), -1)
-  ver_anc = jnp.take_along_axis(rank[:, None, :], jnp.take_along_axis(node_anc, chosen[..., None], 1),
-                                axis=2)
+  ver_parent = jnp.where(parent_of >= 0,
+                         jnp.take_along_axis(rank, jnp.maximum(parent_of, 0), 1), -1)
+  ver_anc = jnp.take_along_axis(rank[:, None, :],
+                                jnp.take_along_axis(node_anc, chosen[..., None], 1), axis=2)
   kv_index, mask = _path_layout(s.pos, ver_anc, ver_depth, S)
   out = target(ver_tok, s.pos[:, None] + ver_depth, cache=s.cache, write_slot_B=s.pos,
                mask_BxTxS=mask, kv_index_BxTxS=kv_index)

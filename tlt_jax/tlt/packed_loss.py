@@ -16,8 +16,8 @@ j: pass-1 entries (written with target features) up to t-j+1, then the entries p
 wrote at t-j+2..t. The passes share one cache, which grows by T slots per pass: pass j writes
 block j and attends blocks 1..j, where its mask admits keys (a k x T cache for every pass made
 the attention cost grow as k^2: 4.9x one pass's step time at k = 3,
-`experiments/bench_drafter_unroll.py`). Pass j's loss is on positions whose chain t-j+1..t lies in one document's
-loss positions; the passes are weighted by `unroll_decay ** (j - 1)`.
+`experiments/bench_drafter_unroll.py`). Pass j's loss is on positions whose chain t-j+1..t lies
+in one document's loss positions; the passes are weighted by `unroll_decay ** (j - 1)`.
 """
 
 from __future__ import annotations
