@@ -165,14 +165,19 @@ class Job:
     t = self.config.tlt
     return {"arm": t.fixed_arm} if t.enabled and t.fixed_arm else {}
 
-  def warm_up(self) -> float:
-    """Compiles every program the run will use, before the first step; returns the seconds."""
-    t0 = time.perf_counter()
+  def warm_up(self) -> dict[str, float]:
+    """Compiles every program the run will use, before the first step; returns the seconds
+    per kind of program ("prefill", "decode:<arm>", ..., "train_step", "drafter_step")."""
     self.engine.warm_up()
+    seconds = self.engine.compile_seconds()
+    t0 = time.perf_counter()
     self.trainer.warm_up(self.train_len)
+    seconds["train_step"] = time.perf_counter() - t0
     if self.spot is not None:
+      t0 = time.perf_counter()
       self.spot.warm_up(self.engine.device_groups)  # the drafter step too: none inside a rollout
-    return time.perf_counter() - t0
+      seconds["drafter_step"] = time.perf_counter() - t0
+    return seconds
 
   def close(self) -> None:
     self.scorer.close()

@@ -7,6 +7,7 @@ import glob
 import json
 import math
 import os
+import sys
 import struct
 import time
 from typing import Any
@@ -161,9 +162,12 @@ def read_tensorboard_scalars(event_dir: str) -> dict[str, list[tuple[int, float]
 
 def progress(total: int | None = None, *, desc: str, unit: str = "it",
              disable: bool | None = None, **kw) -> tqdm.tqdm:
-  """A tqdm bar with the house settings; disable=None reads TLT_NO_PROGRESS=1 (for CI / logs)."""
+  """A tqdm bar with the house settings; disable=None reads TLT_NO_PROGRESS=1 (for CI / logs).
+  A transient bar (leave=False: a rollout's, an eval's) is drawn only on a terminal: written to
+  a log file, a nested bar's every redraw becomes a line of its own."""
   if disable is None:
-    disable = os.environ.get("TLT_NO_PROGRESS") == "1"
+    disable = os.environ.get("TLT_NO_PROGRESS") == "1" or (
+        kw.get("leave") is False and not sys.stderr.isatty())
   opts = dict(dynamic_ncols=True, mininterval=0.5)
   opts.update(kw)
   return tqdm.tqdm(total=total, desc=desc, unit=unit, disable=disable, **opts)

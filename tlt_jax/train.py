@@ -69,12 +69,14 @@ def train(job: job_lib.Job, *, t_start: float | None = None, config_path: str = 
           preemption: _Preemption | None = None) -> dict:
   """The loop over a built job: compile, resume or evaluate, steps with hooks, final eval.
   With `preemption` (SIGTERM seen), it stops after the current step with a checkpoint."""
-  t_start = time.perf_counter() if t_start is None else t_start
   c, workdir, steps = job.config, job.workdir, job.config.rl.steps
+  stages = _Stages(time.perf_counter() if t_start is None else t_start, show=job.primary)
+  stages.done("load")
   if job.primary:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(c.to_json_best_effort(indent=2))
-  compile_s = job.warm_up()
+  compile_by_program = job.warm_up()
+  stages.done("compile")
 
   def run_eval(step: int) -> dict:
     return evaluate(job.engine, job.policy.formatter, job.policy.tokenizer, job.eval_rows,
@@ -95,6 +97,7 @@ def train(job: job_lib.Job, *, t_start: float | None = None, config_path: str = 
                 resume_step=progress.resumed_from))
   if progress.resumed_from is None:
     writer.write(0, {"eval_accuracy": progress.eval_before["accuracy"]})
+  stages.done("eval_before" if progress.resumed_from is None else "resume")
 
   bar = _progress(c, total=steps, initial=progress.step, desc=f"RL {job.name}", unit="step")
   hooks = [_eval_hook(c, run_eval, progress), _metrics_hook(writer, bar),
@@ -127,13 +130,34 @@ def train(job: job_lib.Job, *, t_start: float | None = None, config_path: str = 
       writer.close()
       return _preempted(job, progress)
   bar.close()
+  stages.done("steps")
 
   eval_after = _timed(run_eval, steps, progress.totals)
   writer.write(steps, {"eval_accuracy": eval_after["accuracy"]})
   writer.close()
   job.close()
-  return _finish(job, progress, eval_after, last_trace, time.perf_counter() - t_start, compile_s,
-                 config_path)
+  stages.done("eval_after")
+  return _finish(job, progress, eval_after, last_trace, stages, compile_by_program, config_path)
+
+
+class _Stages:
+  """Consecutive stages of a run (load, compile, eval, steps, ...): one console line each with
+  its seconds, and seconds that add up to the wall time."""
+
+  def __init__(self, start: float, show: bool):
+    self.seconds: dict[str, float] = {}
+    self._last, self._start, self._show = start, start, show
+
+  def done(self, name: str) -> None:
+    now = time.perf_counter()
+    self.seconds[name] = now - self._last
+    self._last = now
+    if self._show:
+      print(f"[train] {name}: {self.seconds[name]:.1f} s", file=sys.stderr)
+
+  @property
+  def wall(self) -> float:
+    return self._last - self._start
 
 
 class _Preemption:
@@ -228,7 +252,7 @@ def _checkpoint_hook(job: job_lib.Job, progress: run_state.Progress) -> Hook:
 
 
 def _finish(job: job_lib.Job, progress: run_state.Progress, eval_after: dict, last_trace: list,
-            wall_s: float, compile_s: float, config_path: str) -> dict:
+            stages: _Stages, compile_by_program: dict, config_path: str) -> dict:
   c, workdir, trainer, spot = job.config, job.workdir, job.trainer, job.spot
   # Every process's copy of the trained weights (a gather across hosts: all processes take
   # part); replicas on different processes must agree bitwise.
@@ -250,6 +274,7 @@ def _finish(job: job_lib.Job, progress: run_state.Progress, eval_after: dict, la
   if c.metrics.plots:
     plots = metrics_lib.plot_run(workdir, records, [t.__dict__ for t in last_trace] or None)
   steps_run = [x for x in records if "reward_mean" in x]
+  stages.done("export")
   speculative = any(x.get("sd_chunk_fraction", 0) > 0 for x in steps_run)
   eval_before = progress.eval_before
   summary = {
@@ -267,7 +292,9 @@ def _finish(job: job_lib.Job, progress: run_state.Progress, eval_after: dict, la
       "eval_before": eval_before, "eval_after": eval_after,
       "reward_first": steps_run[0]["reward_mean"] if steps_run else None,
       "reward_last": steps_run[-1]["reward_mean"] if steps_run else None,
-      "wall_s": wall_s, "compile_s": compile_s, **progress.totals,
+      "wall_s": stages.wall, "compile_s": stages.seconds["compile"],
+      "stage_s": stages.seconds,  # consecutive: they add up to wall_s
+      "compile_by_program": dict(sorted(compile_by_program.items())), **progress.totals,
       "data": job.data_report, "plots": [os.path.relpath(p, workdir) for p in plots],
       "train_mesh": mesh_info,
       **({"processes": jax.process_count(), "trainable_sha256": fingerprint,
@@ -309,8 +336,10 @@ def main(argv) -> None:
     # asked for here serve it only under JAX_PLATFORMS=cpu.
     determinism.force_host_devices(devices)
   summary = run(c, name=f"{base}-{variant}" if variant else base, config_path=path)
-  print(json.dumps({k: v for k, v in summary.items() if k not in ("eval_before", "eval_after")},
-                   indent=2))
+  # One line per key (summary.json in the workdir has it all, indented).
+  shown = {k: v for k, v in summary.items() if k not in ("eval_before", "eval_after")}
+  print("{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in shown.items())
+        + "\n}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ steps (at most the one step in flight is waited for).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -65,6 +66,13 @@ class GroupedRollout:
 
   def warm_up(self) -> int:
     return sum(e.pool.warm_up() for e in self.engines)
+
+  def compile_seconds(self) -> dict[str, float]:
+    """Seconds each kind of program took to build, summed over the groups' pools."""
+    total = collections.Counter()
+    for e in self.engines:
+      total.update(e.pool.compile_seconds)
+    return dict(total)
 
   def update_policy(self, target: Transformer) -> None:
     for e in self.engines:

@@ -8,6 +8,7 @@ compiles inside a timed rollout after `warm_up`, and a second engine compiles no
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any
 
 import jax
@@ -90,6 +91,9 @@ class ProgramPool:
     self.programs: dict[tuple, Any] = {}
     self._shapes: dict[int, Slots] = {}
     self.compiles = 0  # programs this pool built or took from the process's shared ones
+    # Seconds spent building (tracing + compiling, or loading from the persistent cache) per
+    # program kind: "prefill", "decode:<arm>", "insert", ... (shared programs cost nothing).
+    self.compile_seconds: collections.Counter[str] = collections.Counter()
     self._share_key = (self.graphdef, self.draft_graphdef, cfg, placement, tensor_parallel,
                        _signature(self.params), _signature(self.draft_params))
 
@@ -216,7 +220,12 @@ class ProgramPool:
     if key not in self.programs:
       # The numerics mode is read while tracing: part of what a program is.
       shared = (self._share_key, ops.numerics(), ops.backend(), key)
-      program = _SHARED_PROGRAMS.pop(shared, None) or self._build(key)
+      program = _SHARED_PROGRAMS.pop(shared, None)
+      if program is None:
+        t0 = time.perf_counter()
+        program = self._build(key)
+        kind = f"{phase}:{extra}" if phase == "decode" else phase
+        self.compile_seconds[kind] += time.perf_counter() - t0
       _SHARED_PROGRAMS[shared] = program
       while len(_SHARED_PROGRAMS) > SHARED_PROGRAMS_LIMIT:
         _SHARED_PROGRAMS.popitem(last=False)
