@@ -322,24 +322,76 @@ def _kill_chain(workdir, cli, chain, times, rng, log) -> list[str]:
   return kills
 
 
-def test_killed_anywhere_resumes_bitwise(straight, tmp_path, record_property):
-  """SIGKILL at 10 seeded points spread over a run (before its first checkpoint, in rollouts
-  and updates, during async checkpoint writes, during the final export), each time resumed
-  by the same command on the same workdir, which finally finishes: the run is bitwise the
-  uninterrupted one."""
-  workdir, log = tmp_path / "killed", tmp_path / "logs"
+def _killed_and_finished(straight, workdir, cli, chain, record_property) -> list[str]:
+  """The chain of kills on `workdir`, then the same command once more to the end."""
+  log = workdir.parent / f"{workdir.name}_logs"
   os.makedirs(log)
-  cli = _cli(workdir, STEPS)
   t0 = time.monotonic()
-  kills = _kill_chain(workdir, cli, PLAIN_CHAIN, _phase_times(straight),
+  print(f"\nkill points, TLT_KILL_SEED={KILL_SEED}:")
+  kills = _kill_chain(workdir, cli, chain, _phase_times(straight),
                       np.random.default_rng(KILL_SEED), log)
   where = f"TLT_KILL_SEED={KILL_SEED}:\n" + "\n".join(kills)
   record_property("kill_points", where)
-  print(where)
   finished = subprocess.run(cli, cwd=job.REPO_ROOT, env=_env(), capture_output=True, text=True,
                             timeout=900)
   print(f"{len(kills)} kills and the finishing run: {time.monotonic() - t0:.1f} s")
   assert finished.returncode == 0, where + "\n" + finished.stderr[-2000:]
   assert any("in flight ['" in k for k in kills), where  # a kill struck during a write
   assert "export started" in kills[-1], where
+  return kills
+
+
+def test_killed_anywhere_resumes_bitwise(straight, tmp_path, record_property):
+  """SIGKILL at 10 seeded points spread over a run (before its first checkpoint, in rollouts
+  and updates, during async checkpoint writes, during the final export), each time resumed
+  by the same command on the same workdir, which finally finishes: the run is bitwise the
+  uninterrupted one."""
+  workdir = tmp_path / "killed"
+  _killed_and_finished(straight, workdir, _cli(workdir, STEPS), PLAIN_CHAIN, record_property)
   _assert_same_run(straight, workdir)
+
+
+# Two rollout groups with speculative decoding and the drafter spot-trained on idle devices,
+# its buffer spilled beside every checkpoint (tests/test_train.py's small TLT setup).
+TLT_FLAGS = ["--config.rollout.groups=2", "--config.tlt.enabled=True", "--config.tlt.arms=chain3",
+             "--config.tlt.rows=4", "--config.tlt.row_len=64", "--config.tlt.spill_buffer=True"]
+# How many drafter steps fit in the devices' idle time is the clock's to say, so the drafter
+# (its params, its drafter_* metrics) and what it changes (accept lengths, the tuner's arms)
+# differ between two uninterrupted runs too; the tokens, rewards, LoRA update and the buffer
+# the drafter trains on do not.
+TLT_TIMED = TIMING | {"idle_device_s", "accept_len", "sd_chunk_fraction"}
+TLT_CHAIN = ("spill", "checkpoint", "next_rollout", "spill", "update", "checkpoint",
+             "next_rollout", "spill", "checkpoint", "export")
+
+
+def _tlt_rows(workdir):
+  return [{k: v for k, v in r.items() if k not in TLT_TIMED and not k.startswith("drafter_")}
+          for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
+
+
+@pytest.mark.skipif(os.environ.get("TLT_KILL_TLT", "") in ("", "0"),
+                    reason="the TLT kill chain (about twice the plain one) runs with TLT_KILL_TLT=1")
+def test_killed_anywhere_with_drafter_spills_resumes_bitwise(tmp_path, record_property):
+  """The kill chain on a TLT run, three of its kills as a step's drafter buffer spill starts:
+  the run ends bitwise the uninterrupted one (rows, adapter) and so does the buffer spilled
+  with its last checkpoint."""
+  from tlt_jax.tlt.buffer import DrafterBuffer  # noqa: PLC0415
+
+  straight, workdir = tmp_path / "straight", tmp_path / "killed"
+  subprocess.run(_cli(straight, STEPS) + TLT_FLAGS, cwd=job.REPO_ROOT, env=_env(), check=True,
+                 capture_output=True, timeout=900)
+  kills = _killed_and_finished(straight, workdir, _cli(workdir, STEPS) + TLT_FLAGS, TLT_CHAIN,
+                               record_property)
+  assert any("spill" in k.split(";")[0] for k in kills)
+  assert _tlt_rows(straight) == _tlt_rows(workdir)
+  a, b = _adapter(straight), _adapter(workdir)
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+  buffers = [sorted(DrafterBuffer.load(str(w / "drafter_buffer" / f"step_{STEPS}")).examples(),
+                    key=lambda e: (e.step, e.sample_id)) for w in (straight, workdir)]
+  assert len(buffers[0]) == len(buffers[1]) > 0
+  for x, y in zip(*buffers):
+    assert (x.step, x.sample_id) == (y.step, y.sample_id)
+    for field in ("tokens", "response_mask", "hidden"):
+      np.testing.assert_array_equal(getattr(x, field), getattr(y, field))
