@@ -234,8 +234,8 @@ def _mtimes(workdir, watched) -> dict:
   return out
 
 
-def _wait(proc, what, found, timeout=600.0):
-  """Polls `found()` every 2 ms until it returns something; fails if the run ends first."""
+def _wait(proc, what, found, every=0.002, timeout=600.0):
+  """Polls `found()` until it returns something; fails if the run ends first."""
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     value = found()
@@ -243,7 +243,7 @@ def _wait(proc, what, found, timeout=600.0):
       return value
     if proc.poll() is not None:
       raise AssertionError(f"the run exited ({proc.returncode}) before {what}")
-    time.sleep(0.002)
+    time.sleep(every)
   raise AssertionError(f"no {what} within {timeout:.0f} s")
 
 
@@ -259,6 +259,23 @@ def _left_behind(workdir) -> str:
   return (f"committed {committed}, in flight {in_flight}"
           + (f", partial spills {partial_spills}" if partial_spills else "")
           + (", export started" if os.path.isdir(os.path.join(workdir, "export")) else ""))
+
+
+class _StartLine:
+  """Reads a run's stderr log as it grows (only the new bytes: the log is long) for the line
+  the loop prints as it begins; returns the step it resumed from (0: a new run)."""
+
+  def __init__(self, path):
+    self.path, self.offset, self.tail = path, 0, ""
+
+  def __call__(self) -> int | None:
+    with open(self.path, errors="replace") as f:
+      f.seek(self.offset)
+      new = f.read()
+      self.offset = f.tell()
+    text, self.tail = self.tail + new, (self.tail + new)[-400:]  # a line split across reads
+    m = _START.search(text)
+    return None if m is None else int(m.group(1) or 0)
 
 
 def _phase_times(straight) -> dict:
@@ -282,11 +299,7 @@ def _kill_chain(workdir, cli, chain, times, rng, log) -> list[str]:
       proc = subprocess.Popen(cli, cwd=job.REPO_ROOT, env=_env(), stdout=subprocess.DEVNULL,
                               stderr=err)
       try:
-        def started():
-          with open(log / f"kill{i}.err", errors="replace") as f:
-            m = _START.search(f.read())
-          return None if m is None else int(m.group(1) or 0)
-        resumed = _wait(proc, "its start line", started)
+        resumed = _wait(proc, "its start line", _StartLine(log / f"kill{i}.err"), every=0.01)
         first = resumed + 1  # the first step this run takes
         event = _EVENT[point]
         if event == "start":
@@ -294,13 +307,16 @@ def _kill_chain(workdir, cli, chain, times, rng, log) -> list[str]:
         else:
           before = _mtimes(workdir, _WATCHED[event])
 
-          def changed():  # a path this run wrote, not one a killed run left behind
-            now = _mtimes(workdir, _WATCHED[event])
+          def changed(watched=_WATCHED[event], before=before):
+            # a path this run wrote, not one a killed run left behind
+            now = _mtimes(workdir, watched)
             new = sorted(p for p, t in now.items() if before.get(p) != t)
             return new[0] if new else None
           path = _wait(proc, f"a change under {_WATCHED[event][0]}", changed)
           seen = os.path.relpath(path, workdir)
-        if point == "rollout":
+        if point in ("rollout", "update") and first > steps:  # resumed after the last step
+          aim, delay = "final eval", u * times["eval"]
+        elif point == "rollout":
           aim, delay = f"step {first} rollout", u * times["rollout"][first]
         elif point == "update":
           aim = f"step {first} update"
@@ -333,7 +349,7 @@ def _killed_and_finished(straight, workdir, cli, chain, record_property) -> list
   where = f"TLT_KILL_SEED={KILL_SEED}:\n" + "\n".join(kills)
   record_property("kill_points", where)
   finished = subprocess.run(cli, cwd=job.REPO_ROOT, env=_env(), capture_output=True, text=True,
-                            timeout=900)
+                            timeout=900, check=False)
   print(f"{len(kills)} kills and the finishing run: {time.monotonic() - t0:.1f} s")
   assert finished.returncode == 0, where + "\n" + finished.stderr[-2000:]
   assert any("in flight ['" in k for k in kills), where  # a kill struck during a write
@@ -375,7 +391,7 @@ def test_killed_anywhere_with_drafter_spills_resumes_bitwise(tmp_path, record_pr
   """The kill chain on a TLT run, three of its kills as a step's drafter buffer spill starts:
   the run ends bitwise the uninterrupted one (rows, adapter) and so does the buffer spilled
   with its last checkpoint."""
-  from tlt_jax.tlt.buffer import DrafterBuffer  # noqa: PLC0415
+  from tlt_jax.tlt.buffer import DrafterBuffer
 
   straight, workdir = tmp_path / "straight", tmp_path / "killed"
   subprocess.run(_cli(straight, STEPS) + TLT_FLAGS, cwd=job.REPO_ROOT, env=_env(), check=True,

@@ -87,7 +87,7 @@ def train(job: job_lib.Job, *, t_start: float | None = None, config_path: str = 
           file=sys.stderr)
   # Other processes log their (identical, gathered) step metrics under process_<i>/. Rows a
   # killed run wrote after the checkpoint restored (all of them, when none was) are dropped.
-  resumed = dict(resume_step=progress.resumed_from, start_over=progress.resumed_from is None)
+  resumed = {"resume_step": progress.resumed_from, "start_over": progress.resumed_from is None}
   writer = (metrics_lib.MetricsWriter(workdir, tensorboard=c.metrics.tensorboard, **resumed)
             if job.primary else metrics_lib.MetricsWriter(
                 os.path.join(workdir, f"process_{jax.process_index()}"), tensorboard=False,
