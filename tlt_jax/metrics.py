@@ -40,11 +40,21 @@ def _drop_partial_line(path: str) -> None:
 
 
 def _drop_rows_after(path: str, step: int) -> None:
+  """Keeps the rows a run resumed from step `step`'s checkpoint will not write again: those
+  before it and step `step`'s own row (written before that checkpoint was saved), the first row
+  at `step` in the file. Anything after (later steps, and the final eval row of a run killed
+  while it exported, which shares the last step's number) goes: the resumed run writes it
+  again."""
   if not os.path.exists(path):
     return
   with open(path, encoding="utf-8") as f:
     lines = f.readlines()
-  kept = [line for line in lines if json.loads(line)["step"] <= step]
+  kept, seen_step_row = [], False
+  for line in lines:
+    row_step = json.loads(line)["step"]
+    if row_step < step or (row_step == step and not seen_step_row):
+      kept.append(line)
+      seen_step_row = seen_step_row or row_step == step
   if len(kept) < len(lines):
     with open(path + ".tmp", "w", encoding="utf-8") as f:
       f.writelines(kept)
@@ -54,14 +64,19 @@ def _drop_rows_after(path: str, step: int) -> None:
 class MetricsWriter:
   """Appends {"step", **metrics} rows to metrics.jsonl and finite numbers to TensorBoard."""
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True, resume_step: int | None = None):
+  def __init__(self, workdir: str, *, tensorboard: bool = True, resume_step: int | None = None,
+               start_over: bool = False):
     """`resume_step`: a run resumed from that step's checkpoint drops the rows a killed run
-    wrote after it (they are written again), so the file is the uninterrupted run's."""
+    wrote after it (they are written again), so the file is the uninterrupted run's.
+    `start_over`: a run that restored no checkpoint drops every row (a killed run's before its
+    first checkpoint; they are written again)."""
     os.makedirs(workdir, exist_ok=True)
     self.workdir = workdir
     self.path = os.path.join(workdir, "metrics.jsonl")
     _drop_partial_line(self.path)
-    if resume_step is not None:
+    if start_over and os.path.exists(self.path):
+      os.remove(self.path)
+    elif resume_step is not None:
       _drop_rows_after(self.path, resume_step)
     self._jsonl = open(self.path, "a", encoding="utf-8")
     self._events = None

@@ -80,12 +80,19 @@ def save(job: Job, progress: Progress) -> None:
           "tuners": _per_process(job, [e.tuner.state_dict() for e in job.engine.engines])}
   if job.spot is not None:
     meta.update(drafter_steps_done=job.spot.steps_done, drafter_version=job.spot.version)
+  # The previous step's save committed first: its spill is then among the committed steps'
+  # spills kept below (while in flight it is not listed, and its spill would be pruned).
+  job.checkpointer.wait()
   if step in job.checkpointer.all_steps():
     job.checkpointer.delete(step)
-  if job.buffer is not None and job.config.tlt.spill_buffer:
+  if _spills(job):
     job.buffer.spill(buffer_dir(job, step))
     _prune_spills(job, keep={step, *job.checkpointer.all_steps()})
   job.checkpointer.save(step, _arrays(job), meta)
+
+
+def _spills(job: Job) -> bool:
+  return job.buffer is not None and job.config.tlt.spill_buffer
 
 
 def _prune_spills(job: Job, keep: set[int]) -> None:
@@ -105,6 +112,10 @@ def restore(job: Job) -> Progress | None:
   for step in reversed(steps):
     try:
       state, meta = job.checkpointer.restore(_arrays(job), step)
+      if _spills(job) and not DrafterBuffer.is_spill(buffer_dir(job, step)):
+        # Without its buffer the drafter would train on another window than the run's.
+        raise FileNotFoundError(f"its drafter buffer spill {buffer_dir(job, step)} is missing "
+                                "or incomplete")
     except Exception as e:  # noqa: BLE001 (any unreadable step: the next older one is tried)
       older = [s for s in steps if s < step]
       print(f"[train] checkpoint step {step} in {job.checkpointer.directory} is unreadable "
@@ -132,9 +143,8 @@ def _load(job: Job, state: dict, meta: dict) -> None:
     job.spot.load_state({"params": state["drafter"], "opt_state": state["drafter_opt"]},
                         steps_done=meta["drafter_steps_done"], version=meta["drafter_version"])
     job.engine.update_drafter(*job.spot.publish(new_version=False))
-  spill = buffer_dir(job, meta["step"])
-  if job.buffer is not None and os.path.exists(spill):
-    job.buffer = DrafterBuffer.load(spill)
+  if _spills(job):
+    job.buffer = DrafterBuffer.load(buffer_dir(job, meta["step"]))
     if job.spot is not None:
       job.spot.buffer = job.buffer
 

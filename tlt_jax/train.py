@@ -89,12 +89,15 @@ def train(job: job_lib.Job, *, t_start: float | None = None, config_path: str = 
   if progress is None:
     progress = run_state.Progress()
     progress.eval_before = _timed(run_eval, 0, progress.totals)
-  # Other processes log their (identical, gathered) step metrics under process_<i>/.
-  writer = (metrics_lib.MetricsWriter(workdir, tensorboard=c.metrics.tensorboard,
-                                      resume_step=progress.resumed_from) if job.primary
-            else metrics_lib.MetricsWriter(
+    print(f"[train] starting at step 0 in {workdir} (no checkpoint to resume from)",
+          file=sys.stderr)
+  # Other processes log their (identical, gathered) step metrics under process_<i>/. Rows a
+  # killed run wrote after the checkpoint restored (all of them, when none was) are dropped.
+  resumed = {"resume_step": progress.resumed_from, "start_over": progress.resumed_from is None}
+  writer = (metrics_lib.MetricsWriter(workdir, tensorboard=c.metrics.tensorboard, **resumed)
+            if job.primary else metrics_lib.MetricsWriter(
                 os.path.join(workdir, f"process_{jax.process_index()}"), tensorboard=False,
-                resume_step=progress.resumed_from))
+                **resumed))
   if progress.resumed_from is None:
     writer.write(0, {"eval_accuracy": progress.eval_before["accuracy"]})
   stages.done("eval_before" if progress.resumed_from is None else "resume")

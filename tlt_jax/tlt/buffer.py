@@ -191,6 +191,11 @@ class DrafterBuffer:
       json.dump(index, f, indent=1)
     os.replace(index_path + ".tmp", index_path)
 
+  @staticmethod
+  def is_spill(directory: str) -> bool:
+    """Whether `directory` holds a whole spill (its index is written last)."""
+    return os.path.exists(os.path.join(directory, _INDEX))
+
   @classmethod
   def load(cls, directory: str, window_steps: int | None = None,
            max_tokens: int | None = None) -> DrafterBuffer:
