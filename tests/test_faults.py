@@ -385,7 +385,7 @@ def _tlt_rows(workdir):
 
 
 @pytest.mark.skipif(os.environ.get("TLT_KILL_TLT", "") in ("", "0"),
-                    reason="the TLT kill chain (about twice the plain one) runs with TLT_KILL_TLT=1")
+                    reason="the TLT kill chain (twice the plain one) runs with TLT_KILL_TLT=1")
 def test_killed_anywhere_with_drafter_spills_resumes_bitwise(tmp_path, record_property):
   """The kill chain on a TLT run, three of its kills as a step's drafter buffer spill starts:
   the run ends bitwise the uninterrupted one (rows, adapter) and so does the buffer spilled
