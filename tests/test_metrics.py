@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -136,6 +137,13 @@ def test_progress_env(monkeypatch):
   with metrics.progress(3, desc="rollout", disable=False) as bar:
     assert not bar.disable
   monkeypatch.delenv("TLT_NO_PROGRESS")
+  # A transient bar is drawn on a terminal only: in a log file each nested redraw is a line.
+  monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+  with metrics.progress(3, desc="rollout", unit="seq", leave=False) as bar:
+    assert bar.disable
+  with metrics.progress(3, desc="RL", unit="step") as bar:
+    assert not bar.disable
+  monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
   with metrics.progress(3, desc="rollout", unit="seq", leave=False) as bar:
     assert not bar.disable and bar.unit == "seq" and bar.mininterval == 0.5
     assert bar.dynamic_ncols and not bar.leave

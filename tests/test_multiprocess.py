@@ -77,7 +77,10 @@ def test_two_processes_run_rl_steps_with_tlt_resume_and_agree(tmp_path):
   # Both processes decoded with the drafter (some of their chunks ran the chain2 program; an
   # accept_len > 0 held for plain decode too, at 1.0), each on its own prompts (its own buffer).
   assert rows[0][0]["sd_chunk_fraction"] > 0 and rows[1][0]["sd_chunk_fraction"] > 0
-  assert sorted(os.listdir(workdir / "drafter_buffer")) == ["process_0", "process_1"]
+  # Each checkpointed step's spill, per process (run_state: a spill belongs to its step).
+  assert sorted(os.listdir(workdir / "drafter_buffer")) == ["step_1", "step_2"]
+  for step in ("step_1", "step_2"):
+    assert sorted(os.listdir(workdir / "drafter_buffer" / step)) == ["process_0", "process_1"]
   assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2"]
   assert ((workdir / "summary.json").exists()
           and not (workdir / "process_1" / "summary.json").exists())

@@ -136,7 +136,7 @@ class Job:
   drafter: Drafter | None = None   # TLT only
   buffer: DrafterBuffer | None = None
   spot: SpotTrainer | None = None  # spot drafter training on idle devices
-  buffer_dir: str = ""
+  buffer_dir: str = ""             # drafter buffer spills: <buffer_dir>/step_<s>[/process_<i>]
 
   @property
   def multi_process(self) -> bool:
@@ -238,8 +238,7 @@ def build(c, name: str = "run") -> Job:
                                        keep=c.checkpoint.keep, async_save=c.checkpoint.async_save)
   scorer = RewardScorer(RewardSpec.from_config(c.rl),
                         workers=c.rl.reward_workers, kind=c.rl.reward_worker_kind)
-  buffer_dir = os.path.join(workdir, "drafter_buffer",
-                            *([f"process_{jax.process_index()}"] if multi else []))
+  buffer_dir = os.path.join(workdir, "drafter_buffer")  # run_state: step_<s>[/process_<i>]
   return Job(config=c, name=name, workdir=workdir, policy=policy, train_rows=train_rows,
              eval_rows=eval_rows, data_report=data_report, engine=engine, trainer=trainer,
              data=data, checkpointer=checkpointer, scorer=scorer, drafter=drafter, buffer=buffer,

@@ -36,7 +36,7 @@ class Rollout:
   finish: list[str]               # "eos" | "stop" | "length"
   local_tokens: int               # tokens this process generated
   report: object                  # rollout.RolloutReport of this process's rollout
-  reward_record: dict             # reward means per kind, grader paths (this process's samples)
+  reward_record: dict             # reward means per kind, grader paths (the whole batch)
   drafter_record: dict            # TLT: drafter version, buffer and spot-training figures
   rollout_s: float
   reward_wait_s: float
@@ -74,7 +74,12 @@ def rollout(job: Job, step: int, rows: list[dict], *, on_sample=None) -> Rollout
                             spot=spot, min_live_share=c.tlt.min_live_share, **job.forced_arm)
   rollout_s = time.perf_counter() - t0
   scores, reward_wait_s = job.scorer.results()
-  reward_record = reward_metrics(scores)  # per kind (math / code) and which grader decided
+  # Per kind (math / code) and which grader decided, over the whole batch like reward_mean.
+  kinds = [{k: scores[i].get(k) for k in ("kind", "reward", "correct", "path")}
+           for i in range(len(rows) * G)]
+  if job.multi_process:
+    kinds = [s for process in multihost.gather_json(kinds) for s in process]
+  reward_record = reward_metrics(dict(enumerate(kinds)))
   drafter_record = _drafter_side(job, step, samples, engine.last_report)
 
   N = len(rows) * G
