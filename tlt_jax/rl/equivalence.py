@@ -28,23 +28,10 @@ import subprocess
 import sys
 import threading
 
-from tlt_jax.rl.rewards import _sympy_equal, as_fraction, extract_answer, normalize
+from tlt_jax.rl.rewards import _sympy_equal, extract_answer, fast_path, normalize
 
 PATHS = ("fast", "math_verify", "sympy", "timeout")
 TIMEOUT_S = 3  # math-verify's limit per parse / verify call (whole seconds: signal.alarm)
-
-
-def fast_path(predicted: str | None, reference: str) -> bool | None:
-  """True/False when exact comparison decides, None when it cannot (not both plain numbers)."""
-  if predicted is None:
-    return False
-  p, r = normalize(predicted), normalize(reference)
-  if p == r:
-    return True
-  fp, fr = as_fraction(p), as_fraction(r)
-  if fp is not None and fr is not None:
-    return fp == fr
-  return None
 
 
 def _as_latex(answer: str) -> str:

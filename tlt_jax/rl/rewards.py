@@ -134,7 +134,8 @@ def _to_sympy(s: str):
   return sympy.sympify(t, rational=True)
 
 
-def is_equivalent(predicted: str | None, reference: str) -> bool:
+def fast_path(predicted: str | None, reference: str) -> bool | None:
+  """True/False when exact comparison decides, None when it cannot (not both plain numbers)."""
   if predicted is None:
     return False
   p, r = normalize(predicted), normalize(reference)
@@ -143,7 +144,14 @@ def is_equivalent(predicted: str | None, reference: str) -> bool:
   fp, fr = as_fraction(p), as_fraction(r)
   if fp is not None and fr is not None:
     return fp == fr
-  return _sympy_equal(p, r)
+  return None
+
+
+def is_equivalent(predicted: str | None, reference: str) -> bool:
+  decided = fast_path(predicted, reference)
+  if decided is not None:
+    return decided
+  return _sympy_equal(normalize(predicted), normalize(reference))
 
 
 def math_reward(completion: str, reference: str) -> float:
