@@ -9,8 +9,10 @@ import ml_collections
 from ml_collections import config_dict
 
 from tlt_jax.model import hf
+from tlt_jax.rl import algorithms, scoring
 from tlt_jax.model.transformer import ModelConfig, RopeScaling
 from tlt_jax.rollout import tuner
+from tlt_jax.rollout.config import VERIFICATION_MODES
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -172,7 +174,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   elif r.group_size == 1:  # every estimator is group-relative (rl/algorithms.py)
     problems.append(f"rollout.group_size=1 with rl.algorithm={c.rl.algorithm!r} makes every "
                     "advantage 0 (a sample is compared with its group): use >= 2")
-  elif (r.prompts_per_step * r.group_size) % c.rl.minibatches:
+  elif c.rl.minibatches >= 1 and (r.prompts_per_step * r.group_size) % c.rl.minibatches:
     problems.append(f"rollout.prompts_per_step x group_size = {r.prompts_per_step * r.group_size}"
                     f" sequences do not split into rl.minibatches={c.rl.minibatches}")
   if c.data.source not in ("synthetic", "files"):
@@ -191,6 +193,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
     problems.append(f"rollout.stop_strings={stops!r} must be a tuple of non-empty strings")
   problems += _arm_problems(c.tlt)
+  problems += _run_problems(c)
   if c.tlt.drafter_numerics not in ("xla", "policy"):
     problems.append(f"tlt.drafter_numerics={c.tlt.drafter_numerics!r} must be 'xla' or 'policy'")
   if c.tlt.drafter_lr <= 0 or c.tlt.online_lr <= 0:
@@ -214,6 +217,50 @@ def validate(c: ml_collections.ConfigDict) -> None:
                     "equal share)")
   if problems:
     raise ValueError("invalid config: " + "; ".join(problems))
+
+
+def _run_problems(c: ml_collections.ConfigDict) -> list[str]:
+  """Values the trainer, the engines, the scorer and the checkpointer would refuse (or divide
+  by) once built, without naming the key: named here, before anything loads."""
+  problems, rl, r = [], c.rl, c.rollout
+  if rl.algorithm not in algorithms.ADVANTAGES:
+    problems.append(f"rl.algorithm={rl.algorithm!r} must be one of "
+                    f"{sorted(algorithms.ADVANTAGES)}")
+  if rl.loss and rl.loss not in algorithms.LOSSES:
+    problems.append(f"rl.loss={rl.loss!r} must be '' (the algorithm's own) or one of "
+                    f"{sorted(algorithms.LOSSES)}")
+  if rl.kl_estimator not in ("k1", "k3"):
+    problems.append(f"rl.kl_estimator={rl.kl_estimator!r} must be 'k1' or 'k3'")
+  for key in ("minibatches", "epochs", "chunk_rows"):
+    if rl[key] < 1:
+      problems.append(f"rl.{key}={rl[key]} must be >= 1")
+  if rl.steps < 0:
+    problems.append(f"rl.steps={rl.steps} must be >= 0")
+  if rl.reward_worker_kind not in scoring.WORKER_KINDS or rl.reward_workers < 1:
+    problems.append(f"rl.reward_worker_kind={rl.reward_worker_kind!r} must be one of "
+                    f"{scoring.WORKER_KINDS} and rl.reward_workers={rl.reward_workers} >= 1")
+  if r.temperature < 0:
+    problems.append(f"rollout.temperature={r.temperature} must be >= 0 (0 = greedy)")
+  if r.top_k < 0:
+    problems.append(f"rollout.top_k={r.top_k} must be >= 0 (0 = off)")
+  if not 0 < r.top_p <= 1:
+    problems.append(f"rollout.top_p={r.top_p} must be in (0, 1] (1 = off)")
+  for key in ("max_prompt_len", "max_new_tokens", "chunk_steps"):
+    if r[key] < 1:
+      problems.append(f"rollout.{key}={r[key]} must be >= 1")
+  buckets = tuple(r.buckets)
+  if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+    problems.append(f"rollout.buckets={buckets} must be increasing positive batch sizes")
+  if r.verification not in VERIFICATION_MODES:
+    problems.append(f"rollout.verification={r.verification!r} must be one of "
+                    f"{VERIFICATION_MODES}")
+  if c.checkpoint.keep < 1 or c.checkpoint.every < 0 or c.eval.every < 0:
+    problems.append(f"checkpoint.keep={c.checkpoint.keep} must be >= 1, checkpoint.every="
+                    f"{c.checkpoint.every} and eval.every={c.eval.every} >= 0 (0 = only at "
+                    "the end)")
+  if c.model.dtype not in ("float32", "bfloat16"):
+    problems.append(f"model.dtype={c.model.dtype!r} must be 'float32' or 'bfloat16'")
+  return problems
 
 
 def _arm_problems(t: ml_collections.ConfigDict) -> list[str]:

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax import checkpoint as ckpt_lib
-from tlt_jax import compile_cache, determinism, logs, metrics, ops
+from tlt_jax import cli, compile_cache, determinism, logs, metrics, ops
 from tlt_jax import config as config_lib
 from tlt_jax import job as job_lib
 from tlt_jax.data import splits
@@ -196,13 +196,11 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
   from absl import app, flags
-  from ml_collections import config_flags
 
-  config_flags.DEFINE_config_file("config", job_lib.DEFAULT_CONFIG,
-                                  "experiment config file[:variant]", lock_config=True)
+  cli.define_config(job_lib.DEFAULT_CONFIG)
   flags.DEFINE_string("checkpoint", "", "run workdir, PEFT adapter dir or HF checkpoint dir")
   flags.DEFINE_integer("step", None, "checkpoint step of a run workdir (default: the newest)")
   flags.DEFINE_integer("samples", None, "samples per problem K (default: eval.samples)")
   flags.DEFINE_string("out", "", "JSON report path (default: <workdir>/eval_report_K.json)")
   flags.DEFINE_bool("records", False, "include every sample's text and score in the report")
-  app.run(main)
+  app.run(cli.guarded(main), flags_parser=cli.parse_flags)

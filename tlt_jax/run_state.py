@@ -109,6 +109,7 @@ def restore(job: Job) -> Progress | None:
   if not job.config.checkpoint.resume:
     return None
   steps = job.checkpointer.all_steps()
+  newest_problem = ""
   for step in reversed(steps):
     try:
       state, meta = job.checkpointer.restore(_arrays(job), step)
@@ -118,8 +119,9 @@ def restore(job: Job) -> Progress | None:
                                 "or incomplete")
     except Exception as e:  # noqa: BLE001 (any unreadable step: the next older one is tried)
       older = [s for s in steps if s < step]
+      newest_problem = newest_problem or f"step {step}: {type(e).__name__}: {_first_line(e)}"
       print(f"[train] checkpoint step {step} in {job.checkpointer.directory} is unreadable "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"({type(e).__name__}: {_first_line(e)}); "
             + (f"falling back to step {older[-1]}" if older else "no older step to fall back to"),
             file=sys.stderr)
       continue
@@ -129,8 +131,12 @@ def restore(job: Job) -> Progress | None:
                     resumed_from=meta["step"])
   if steps:
     raise ValueError(f"{job.checkpointer.directory}: no readable checkpoint among steps {steps} "
-                     "(see above); move the directory away to start over")
+                     f"({newest_problem}); move the directory away to start over")
   return None
+
+
+def _first_line(e: Exception) -> str:
+  return str(e).splitlines()[0] if str(e) else ""
 
 
 def _load(job: Job, state: dict, meta: dict) -> None:

@@ -28,7 +28,8 @@ import jax
 import numpy as np
 
 from tlt_jax import checkpoint as ckpt_lib
-from tlt_jax import compile_cache, determinism, distributed, logs, multihost, ops, run_state
+from tlt_jax import (cli, compile_cache, determinism, distributed, logs, multihost, ops,
+                     run_state)
 from tlt_jax import config as config_lib
 from tlt_jax import job as job_lib
 from tlt_jax import metrics as metrics_lib
@@ -347,8 +348,6 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
   from absl import app
-  from ml_collections import config_flags
 
-  config_flags.DEFINE_config_file("config", job_lib.DEFAULT_CONFIG,
-                                  "experiment config file[:variant]", lock_config=True)
-  app.run(main)
+  cli.define_config(job_lib.DEFAULT_CONFIG)
+  app.run(cli.guarded(main), flags_parser=cli.parse_flags)

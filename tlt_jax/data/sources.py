@@ -41,6 +41,17 @@ def _eurus_fields(record: dict) -> dict:
   return {"prompt": chat, "reward": kind, ("tests" if kind == "code" else "answer"): truth}
 
 
+def _utf8(value, field: str, where: str):
+  """A Parquet binary column gives bytes: text when they are UTF-8, else the row is named."""
+  if not isinstance(value, bytes):
+    return value
+  try:
+    return value.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise DataError(f"{where}: field {field!r} is not UTF-8 text (byte {e.start}: "
+                    f"{value[e.start:e.start + 1]!r})") from None
+
+
 def _row(record, prompt_field: str, answer_field: str, where: str, *, reward_field: str = "reward",
          tests_field: str = "tests", layout: str = "fields") -> dict:
   if not isinstance(record, dict):
@@ -55,7 +66,7 @@ def _row(record, prompt_field: str, answer_field: str, where: str, *, reward_fie
   for field in needed:
     if field not in record or record[field] is None:
       raise DataError(f"{where}: missing field {field!r} (has {sorted(record)})")
-  prompt = record[prompt_field]
+  prompt = _utf8(record[prompt_field], prompt_field, where)
   if not isinstance(prompt, str) or not prompt.strip():
     raise DataError(f"{where}: field {prompt_field!r} must be non-empty text")
   if kind == "code":
@@ -67,7 +78,7 @@ def _row(record, prompt_field: str, answer_field: str, where: str, *, reward_fie
       raise DataError(f"{where}: field {tests_field!r} holds no tests")
     return {"prompt": prompt, "reward": "code", "tests": record[tests_field], "answer": "",
             "answer_raw": "", "source": where}
-  answer = record[answer_field]
+  answer = _utf8(record[answer_field], answer_field, where)
   if isinstance(answer, (int, float)) and not isinstance(answer, bool):
     answer = str(answer)
   if not isinstance(answer, str):
@@ -91,15 +102,26 @@ def read_rows(path: str, *, prompt_field: str = "question", answer_field: str = 
     raise FileNotFoundError(f"dataset file {path} does not exist")
   records = []
   if path.endswith(".parquet"):
-    import pyarrow.parquet as pq  # noqa: PLC0415 (pyarrow only for Parquet files)
-    for i, record in enumerate(pq.read_table(path).to_pylist()):
+    import pyarrow  # noqa: PLC0415 (pyarrow only for Parquet files)
+    import pyarrow.parquet as pq  # noqa: PLC0415
+    try:
+      table = pq.read_table(path)
+    except pyarrow.ArrowException as e:  # its message does not name the file
+      raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
+    for i, record in enumerate(table.to_pylist()):
       records.append((f"{path}:row {i}", record, None))
   elif path.endswith((".jsonl", ".json")):
-    with open(path, encoding="utf-8") as f:
-      for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is named, not the whole file
+      for lineno, raw in enumerate(f, start=1):
+        where = f"{path}:{lineno}"
+        try:
+          line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+          records.append((where, None, f"{where}: not UTF-8 text (byte {e.start}: "
+                                       f"{raw[e.start:e.start + 1]!r})"))
+          continue
         if not line.strip():
           continue
-        where = f"{path}:{lineno}"
         try:
           records.append((where, json.loads(line), None))
         except json.JSONDecodeError as e:

@@ -125,9 +125,16 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 def load_config(model_dir: str, *, dtype: str = "float32") -> ModelConfig:
   path = os.path.join(model_dir, "config.json")
   if not os.path.exists(path):
-    raise CheckpointError(f"{model_dir}: no config.json")
+    raise CheckpointError(f"{model_dir}: no config.json"
+                          + ("" if os.path.isdir(model_dir) else " (no such directory)"))
   with open(path) as f:
-    return config_from_hf(json.load(f), dtype=dtype, path=path)
+    try:
+      d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+  if not isinstance(d, dict):
+    raise CheckpointError(f"{path}: expected a JSON object, got {type(d).__name__}")
+  return config_from_hf(d, dtype=dtype, path=path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,7 +191,10 @@ def read_safetensors(model_dir: str) -> dict[str, np.ndarray]:
 
 def _load_file_any_dtype(path: str) -> dict[str, np.ndarray]:
   # numpy has no bfloat16; safetensors' numpy loader returns ml_dtypes.bfloat16 arrays for it.
-  return safetensors.numpy.load_file(path)
+  try:
+    return safetensors.numpy.load_file(path)
+  except Exception as e:  # noqa: BLE001 (SafetensorError is no ValueError; it names no file)
+    raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def _get_path(tree, path):
@@ -220,6 +230,9 @@ def load_params_into(model: Transformer, tensors: dict[str, np.ndarray], *,
       want = var.get_value().shape[::-1] if transpose else var.get_value().shape
       raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
                             f"the model expects {tuple(want)}")
+    if not jnp.issubdtype(value.dtype, jnp.floating):  # cast silently, ids would be weights
+      raise CheckpointError(f"{source}: tensor {name!r} has dtype {value.dtype}, the model "
+                            "expects floating-point weights")
     staged.append((var, value))
   for var, value in staged:
     var.set_value(jnp.asarray(value, dtype=var.get_value().dtype))
@@ -284,4 +297,7 @@ def load_tokenizer(model_dir: str):
   path = os.path.join(model_dir, "tokenizer.json")
   if not os.path.exists(path):
     raise CheckpointError(f"{model_dir}: no tokenizer.json")
-  return Tokenizer.from_file(path)
+  try:
+    return Tokenizer.from_file(path)
+  except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception naming no file)
+    raise CheckpointError(f"{path}: not a readable tokenizer ({e})") from None
