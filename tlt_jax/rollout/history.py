@@ -126,7 +126,7 @@ class SuffixTrie:
   def longest_match(self, context) -> tuple[int, _Node | None]:
     """(m, node) for the longest suffix s of `context` (m = len(s) < max_order, s may be empty)
     that occurs with a continuation; (-1, None) when nothing is recorded."""
-    context = list(context[len(context) - (self.max_order - 1):])  # no copy of a long one
+    context = list(context[max(len(context) - (self.max_order - 1), 0):])  # no copy of a long one
     for m in range(len(context), -1, -1):
       node = self._find(context[len(context) - m:])
       if node is not None and node.children:
@@ -136,7 +136,7 @@ class SuffixTrie:
   def propose(self, context, depth: int) -> tuple[list[int], list[int], int]:
     """(tokens, counts, match length): a chain of up to `depth` most frequent continuations of
     `context`; shorter when nothing continues it. match length: that of the first token's."""
-    context = list(context[len(context) - (self.max_order - 1):])
+    context = list(context[max(len(context) - (self.max_order - 1), 0):])
     tokens, counts = [], []
     first_match = -1
     m, node = self.longest_match(context)
