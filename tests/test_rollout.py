@@ -23,7 +23,7 @@ from tlt_jax.rollout import steps as steps_lib
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.tuner import OFF, Arm, Tuner, default_arms, tree_arm
+from tlt_jax.rollout.tuner import OFF, Arm, Tuner, default_arms, history_arm, parse_arms, tree_arm
 
 VOCAB = 12
 EOS = 3
@@ -105,6 +105,35 @@ def test_gumbel_speculative_decoding_is_bitwise_plain_decoding(arm):
   assert sd_chunks and max(t.accept_len for t in sd_chunks) > 1.0  # some drafts were accepted
 
 
+HISTORY_CFG = dataclasses.replace(
+    CFG, arms=(Arm(OFF), Arm("chain2", 2), history_arm(2), history_arm(4)))
+
+
+@pytest.mark.parametrize("arm,drafter", [("history_chain2", False), ("history_chain4", True)])
+def test_history_chains_are_bitwise_plain_decoding(arm, drafter):
+  """Chains drafted on the host from the group's text, verified on device: the same tokens and
+  log-probs as plain decoding, with or without a learned drafter beside them."""
+  _, reference = _plain()
+  engine, samples = _run(HISTORY_CFG, drafter=drafter, arm=arm)
+  _assert_same(reference, samples)
+  chunks = [t for t in engine.trace if t.arm == arm]
+  assert chunks and all(t.rounds == 1 for t in chunks)  # one verify round per host trip
+  assert max(t.accept_len for t in chunks) > 1.0  # siblings' text was drafted and accepted
+  assert engine.history.stats.proposals > 0 and not engine.history.live
+
+
+def test_the_tuner_free_over_history_and_learned_arms_is_bitwise_plain():
+  _, reference = _plain()
+  engine, samples = _run(HISTORY_CFG)
+  _assert_same(reference, samples)
+  # Unseen arms are tried first: plain, learned and history chunks all ran in one rollout.
+  assert {OFF, "chain2", "history_chain2"} <= {t.arm for t in engine.trace}
+  assert [a.name for a in parse_arms("chain2, history_chain4")] == [
+      OFF, "chain2", "history_chain4"]
+  with pytest.raises(ValueError, match="history arms are chains of depth >= 1"):
+    parse_arms("history_chain0")
+
+
 def test_switching_sd_on_mid_rollout_needs_no_reprefill():
   _, reference = _plain()
   engine, samples = _run(sd_after_rounds=2)
@@ -140,6 +169,46 @@ def test_plain_chunks_bring_the_drafter_cache_up_to_date():
     pos, gen = np.asarray(s.pos), np.asarray(s.gen)
     assert list(gen) == [10, 4, 10, 7] and list(pos) == list(lengths + gen - 1)
     # Reference rows: [prompt, emitted tokens already fed to the target], zero-padded to S.
+    tokens_BxS = np.zeros((B, S), np.int32)
+    features_BxSxD = np.zeros((B, S, target.cfg.hidden_size), np.float32)
+    for b in range(B):
+      n = int(gen[b]) - 1
+      tokens_BxS[b, :pos[b]] = prompts[b] + np.asarray(s.out_tokens[b, :n]).tolist()
+      features_BxSxD[b, lengths[b]:pos[b]] = np.asarray(s.out_hidden[b, :n])
+    _, _, ref = jax.jit(lambda t, f: draft(target, t, f, draft.init_cache(B, S),
+                                           jnp.zeros((B,), jnp.int32)))(tokens_BxS, features_BxSxD)
+  for b in range(B):
+    for got, want in ((s.draft_cache.k[0], ref.k[0]), (s.draft_cache.v[0], ref.v[0])):
+      np.testing.assert_array_equal(np.asarray(got[b, :pos[b]]), np.asarray(want[b, :pos[b]]),
+                                    err_msg=f"row {b}")
+
+
+def test_history_rounds_keep_the_drafter_cache_up_to_date():
+  """After rounds drafted on the host (the drafter never ran on their current token), the
+  drafter's cache before each row's position equals one drafter forward over the sequence, as
+  after plain chunks: a learned arm chosen next drafts from a current cache."""
+  target, draft = _models()
+  cfg = dataclasses.replace(HISTORY_CFG, drafter_numerics="policy", eos_ids=())
+  prompts = PROMPTS[:4]
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  padded = np.array([p + [0] * (cfg.max_prompt_len - len(p)) for p in prompts], np.int32)
+  B, S = len(prompts), cfg.num_slots
+  # Random drafts over a 12-token vocabulary: a few accepted, most rejected.
+  drafts = np.random.default_rng(0).integers(0, VOCAB, (12, B, 2)).astype(np.int32)
+
+  @jax.jit
+  def prefill_and_verify(drafts):
+    s = steps_lib.prefill(target, draft, cfg, jnp.asarray(padded), jnp.asarray(lengths),
+                          jnp.arange(B, dtype=jnp.int32),
+                          jnp.array([10, 4, 10, 7], jnp.int32), jnp.int32(0))
+    for i in range(12):  # at least one token per round: every row reaches its budget
+      s, _, _ = steps_lib.history_round(target, draft, cfg, s, jnp.int32(0), drafts[i])
+    return s
+
+  with ops.numerics_mode("batch_invariant"):
+    s = prefill_and_verify(drafts)
+    pos, gen = np.asarray(s.pos), np.asarray(s.gen)
+    assert list(gen) == [10, 4, 10, 7] and list(pos) == list(lengths + gen - 1)
     tokens_BxS = np.zeros((B, S), np.int32)
     features_BxSxD = np.zeros((B, S, target.cfg.hidden_size), np.float32)
     for b in range(B):

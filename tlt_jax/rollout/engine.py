@@ -1,6 +1,6 @@
 """Rollout engine: slots padded to batch buckets, on-device decode chunks, continuous batching,
 compaction into smaller buckets, and chain / tree speculative decoding with an EAGLE-style
-drafter.
+drafter or with chains drafted on the host from the group's own text (`rollout.history`).
 
 One rollout, as the host sees it:
   pending samples -> prefill into free slots -> decode chunk (N steps on device, plain or SD)
@@ -8,7 +8,12 @@ One rollout, as the host sees it:
   -> when nothing is pending and the live rows fit a smaller bucket, compact into it -> repeat.
 
 This module is that host loop: which sample sits in which row, when to refill and compact, which
-strategy the tuner picks per chunk. The device programs it calls are `rollout.steps` (where the
+strategy the tuner picks per chunk. A history arm's chunk is one verify round: the host reads
+each live row's tokens, asks the history drafter for its chain, and passes the drafts in. One
+round per round trip, because the next round's drafts continue the tokens this round accepts,
+which only the device knows (the learned drafter avoids the trip by drafting on device); drafts
+fixed for several rounds would only be right while every draft is accepted, i.e. they would be
+one longer chain. The device programs it calls are `rollout.steps` (where the
 exactness argument lives: slot, bucket, chunk size, refill order and compaction change no token),
 built ahead of time per (phase, bucket, strategy) by `rollout.programs.ProgramPool` and called
 as compiled executables, so nothing compiles inside a timed rollout after `warm_up`.
@@ -28,6 +33,7 @@ from flax import nnx
 from tlt_jax.model.drafter import Drafter, check_fits
 from tlt_jax.model.transformer import Transformer
 from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.history import HistoryDrafter
 from tlt_jax.rollout.programs import ProgramPool
 from tlt_jax.rollout.tuner import OFF, Arm, Tuner
 
@@ -51,6 +57,7 @@ class ChunkTrace:
   arm: str
   emitted: int
   rounds: int
+  host_s: float = 0.0  # of `seconds`, the host's history drafting (token reads included)
 
   @property
   def accept_len(self) -> float:
@@ -63,17 +70,22 @@ class RolloutEngine:
   def __init__(self, target: Transformer, cfg: EngineConfig, drafter: Drafter | None = None,
                tuner: Tuner | None = None, detokenize=None,
                placement: jax.sharding.NamedSharding | None = None,
-               tensor_parallel: bool = False):
+               tensor_parallel: bool = False, history: HistoryDrafter | None = None):
     """placement / tensor_parallel: the devices the engine runs on, and whether they split the
-    model or each hold all of it (see `ProgramPool`)."""
+    model or each hold all of it (see `ProgramPool`). history: the history arms' drafter (a
+    default one when the arms have history chains and none is given); it keeps the responses of
+    every rollout, so earlier responses to a prompt draft for its later rollouts."""
     if cfg.stop_strings and detokenize is None:
       raise ValueError("stop_strings need a detokenize(token_ids) -> str function")
     self.detokenize = detokenize
     if drafter is not None:
       check_fits(drafter, target.cfg)
-    if drafter is None and cfg.max_depth:
-      cfg = dataclasses.replace(cfg, arms=tuple(a for a in cfg.arms if a.depth == 0))
+    if drafter is None and any(a.needs_drafter for a in cfg.arms):
+      cfg = dataclasses.replace(cfg, arms=tuple(a for a in cfg.arms if not a.needs_drafter))
     self.cfg = cfg
+    if history is None and any(a.is_history for a in cfg.arms):
+      history = HistoryDrafter()
+    self.history = history
     self.target, self.drafter = target, drafter
     self.tuner = tuner or Tuner(cfg.arms, cfg.buckets,
                                 max_verify_tokens_per_bucket=cfg.max_verify_tokens_per_bucket,
@@ -169,15 +181,23 @@ class RolloutEngine:
       chosen = self._choose_arm(bucket, arm, chunks, sd_after_rounds)
       t0 = time.perf_counter()
       live = sum(r is not None for r in row_sample)
-      slots, emitted, rounds = self.pool.get("decode", bucket, chosen.name)(
-          self.pool.params, self.pool.draft_params, slots, seed)
+      program = self.pool.get("decode", bucket, chosen.name)
+      host_s = 0.0
+      if chosen.is_history:
+        drafts = self._history_drafts(slots, row_sample, chosen.depth)
+        host_s = time.perf_counter() - t0
+        slots, emitted, rounds = program(self.pool.params, self.pool.draft_params, slots, seed,
+                                         drafts)
+      else:
+        slots, emitted, rounds = program(self.pool.params, self.pool.draft_params, slots, seed)
       yield bucket, live  # dispatched, not waited for
       done = np.asarray(slots.done)
       dt = time.perf_counter() - t0
       emitted, rounds = int(emitted), int(rounds)
       self.target_tokens_processed += bucket * rounds * chosen.verify_tokens
       self.tuner.update(bucket, chosen, emitted, dt, live)
-      self.trace.append(ChunkTrace(t0 - t_start, dt, bucket, live, chosen.name, emitted, rounds))
+      self.trace.append(ChunkTrace(t0 - t_start, dt, bucket, live, chosen.name, emitted, rounds,
+                                   host_s))
       chunks += 1
       if cfg.stop_strings:
         slots, done = self._apply_stop_strings(slots, done, row_sample, stopped, bucket)
@@ -194,6 +214,20 @@ class RolloutEngine:
     if chunks < sd_after_rounds:
       return self.tuner.arms[OFF]
     return self.tuner.choose(bucket)
+
+  def _history_drafts(self, slots, row_sample, depth: int) -> np.ndarray:
+    """[bucket, depth] drafts: each live row's tokens so far recorded in its group, then its
+    chain. A short chain is padded (any token: verification rejects what the target would not
+    emit); free rows draft zeros."""
+    tokens, gen = np.asarray(slots.out_tokens), np.asarray(slots.gen)
+    drafts = np.zeros((len(row_sample), depth), np.int32)
+    for r, sid in enumerate(row_sample):
+      if sid is None:
+        continue
+      self.history.extend(sid, tokens[r, :int(gen[r])])
+      chain = self.history.propose(sid, depth)
+      drafts[r, :len(chain)] = chain
+    return drafts
 
   def _refill(self, slots, bucket, row_sample, row_prompt, pending, seed):
     free = [r for r, s in enumerate(row_sample) if s is None]
@@ -212,6 +246,8 @@ class RolloutEngine:
       lengths[i], sample_ids[i], rows[i], max_new[i] = len(prompt), sid, free[i], budget
       row_sample[free[i]] = sid
       row_prompt[sid] = list(prompt)
+      if self.history is not None:
+        self.history.begin(sid, prompt)
     new = self.pool.get("prefill", k)(self.pool.params, self.pool.draft_params, prompts, lengths,
                                       sample_ids, max_new, seed)
     self.target_tokens_processed += k * self.cfg.max_prompt_len
@@ -256,6 +292,8 @@ class RolloutEngine:
           finish_reason=reason,
           hidden=self.pool.get("hidden_row", bucket)(slots.out_hidden, np.int32(r)))
       row_sample[r] = None
+      if self.history is not None:
+        self.history.finish(sid, toks)
       if on_finish is not None:
         on_finish(results[sid])
 

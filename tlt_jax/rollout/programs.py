@@ -55,8 +55,8 @@ def _signature(tree) -> tuple:
 class ProgramPool:
   """Compiled executables per (phase, bucket, strategy), built once by `warm_up`.
 
-  Verify programs are per depth (the token count), shared by every arm with that depth; each SD
-  arm is built only for the buckets the tuner may choose it in.
+  Each SD arm's program is built only for the buckets the tuner may choose it in; a history
+  arm's decode program is one verify round that takes its drafts as an input.
 
   placement: where every program runs and every array lives, a data-parallel rollout group's
   devices (None = JAX's default device). Without tensor parallelism everything is replicated
@@ -172,6 +172,14 @@ class ProgramPool:
     slots_specs = self._slots_specs(slots)
     if phase == "decode":  # extra = arm name
       arm = next(a for a in cfg.arms if a.name == extra)
+      if arm.is_history:  # one round, its drafts [bucket, depth] from the host
+        def fn(params, draft_params, s, seed, drafts):
+          target, drafter = self._models(params, draft_params)
+          return steps.history_round(target, drafter, cfg, s, seed, drafts)
+        drafts = jax.ShapeDtypeStruct((bucket, arm.depth), jnp.int32)
+        program = self._jit(fn, (*models, slots_specs, P(), P()), (slots_specs, P(), P()),
+                            split_model=True, donate_argnums=(2,))
+        return program.lower(self.params, self.draft_params, slots, i32, drafts).compile()
 
       def fn(params, draft_params, s, seed):
         target, drafter = self._models(params, draft_params)

@@ -6,6 +6,8 @@
   decode_chunk  up to `chunk_steps` rounds on device: plain steps, or chain (`_sd_step`) or tree
                 (`_tree_step`) speculative rounds, both ending in `_commit`; after a plain chunk
                 the drafter's cache catches up in one forward (`_drafter_catch_up`)
+  history_round one chain round whose drafts come from the host (`rollout.history`), verified
+                and committed like `_sd_step`'s
   insert / compact / empty   move rows between buckets (refill, compaction), start a bucket
 
 Exactness (with `numerics="batch_invariant"`): the slot a sample occupies, the bucket, the
@@ -15,6 +17,9 @@ equals the target's own Gumbel-argmax at that position, and the target's token i
 the first mismatch. In a tree, each node attends its own path laid out at the slots plain
 decoding would use (`kv_index`), and the accepted path's KV is moved to consecutive slots.
 `rejection` verification (chains) is classic speculative sampling (exact in distribution only).
+History drafts are verified the gumbel way whatever `verification` says: for a deterministic
+draft d, speculative sampling accepts with probability p(d), which is exactly the probability
+that the target's own Gumbel sample is d, so nothing is lost and the output stays bitwise plain.
 """
 
 from __future__ import annotations
@@ -156,11 +161,13 @@ def _sd_step(target, drafter, cfg: EngineConfig, depth: int, s: Slots, seed):
 
 
 def _commit(target, drafter, cfg, s: Slots, cache, draft_cache, emitted_BxK1, accepted_B,
-            masked_logits_BxK1xV, hidden_BxK1xD):
+            masked_logits_BxK1xV, hidden_BxK1xD, extend_current: bool = False):
   """Emits tokens 0..accepted of `emitted` (cut at EOS and max_new) and advances the slots.
 
   emitted[:, i] is the i-th token after the current one; its logits and hidden state are row i
   of masked_logits / hidden (the target's output at the i-th node of the accepted path).
+  extend_current: the drafter did not see the current token this round (the host drafted), so
+  its cache entry at `pos` is written here too.
   """
   B, K1 = emitted_BxK1.shape
   depth = K1 - 1
@@ -183,8 +190,14 @@ def _commit(target, drafter, cfg, s: Slots, cache, draft_cache, emitted_BxK1, ac
   done = s.done | (active & ((first_eos <= n_emit) | (gen >= s.max_new)))
   # Re-run the drafter on the committed tokens with the target's features (EAGLE's "extend"):
   # slots pos+1.. get the entries plain decode would have written.
-  _, _, draft_cache = drafter(target, emitted_BxK1[:, :depth], hidden_BxK1xD[:, :depth],
-                              draft_cache, s.pos + 1)
+  if drafter is not None and extend_current:
+    _, _, draft_cache = drafter(
+        target, jnp.concatenate([s.token[:, None], emitted_BxK1[:, :depth]], axis=1),
+        jnp.concatenate([s.prev_hidden[:, None], hidden_BxK1xD[:, :depth]], axis=1),
+        draft_cache, s.pos)
+  elif drafter is not None:
+    _, _, draft_cache = drafter(target, emitted_BxK1[:, :depth], hidden_BxK1xD[:, :depth],
+                                draft_cache, s.pos + 1)
   moved = n_emit > 0
   s = s._replace(
       cache=cache, draft_cache=draft_cache,
@@ -192,6 +205,28 @@ def _commit(target, drafter, cfg, s: Slots, cache, draft_cache, emitted_BxK1, ac
       prev_hidden=jnp.where(moved[:, None], hidden_BxK1xD[rows, last], s.prev_hidden),
       gen=gen, done=done, out_tokens=out_tokens, out_logprobs=out_logprobs, out_hidden=out_hidden)
   return s, jnp.sum(n_emit)
+
+
+def history_round(target, drafter, cfg: EngineConfig, s: Slots, seed, drafts_BxK):
+  """One chain round with drafts from the host: the target sees [token, d_1..d_K] at slots
+  pos..pos+K, a draft is accepted while it equals the target's own Gumbel sample there (the
+  token plain decoding would emit), and the target's token is emitted at the first mismatch.
+  Returns (slots, tokens emitted, rounds = 1), as `decode_chunk` does."""
+  B, depth = drafts_BxK.shape
+  K1 = depth + 1
+  greedy = cfg.sampling.temperature == 0.0
+  out = target(jnp.concatenate([s.token[:, None], drafts_BxK], axis=1), cache=s.cache,
+               write_slot_B=s.pos)
+  positions_BxK1 = s.pos[:, None] + 1 + jnp.arange(K1)[None, :]
+  target_masked = sampling.masked_logits(out.logits_BxTxV.reshape(B * K1, -1), cfg.sampling)
+  target_tok = sampling.sample_from_masked(
+      target_masked, seed, jnp.repeat(s.sample_id, K1), positions_BxK1.reshape(-1), greedy
+  ).reshape(B, K1)
+  accept_BxK = drafts_BxK == target_tok[:, :depth]
+  accepted = jnp.sum(jnp.cumprod(accept_BxK.astype(jnp.int32), axis=1), axis=1)
+  s, emitted = _commit(target, drafter, cfg, s, out.cache, s.draft_cache, target_tok, accepted,
+                       target_masked.reshape(B, K1, -1), out.hidden_BxTxD, extend_current=True)
+  return s, emitted, jnp.int32(1)
 
 
 def _path_layout(pos_B, ancestors_BxTxA, depth_BxT, num_slots):

@@ -5,8 +5,9 @@ whatever share of its bucket is live (the shapes are fixed), so dividing by the 
 arms tried while a bucket was full and while it was draining compare fairly. Each batch bucket
 has its own bandit over the arms allowed there (speculative arms whose verify tokens x bucket
 exceed the memory bound are not offered), plus `off` (plain decode). Unseen arms are tried
-first. The state is plain data (`state_dict` / `load_state_dict`) so it is checkpointed with the
-run.
+first. History arms (chains drafted on the host, `rollout.history`) compete like the others:
+their chunk time includes the host's drafting. The state is plain data (`state_dict` /
+`load_state_dict`) so it is checkpointed with the run.
 """
 
 from __future__ import annotations
@@ -18,22 +19,39 @@ import re
 import numpy as np
 
 OFF = "off"
+LEARNED, HISTORY = "learned", "history"
 
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
   """A decode strategy: plain (depth 0), a chain of `depth` drafts, or a tree of `depth` levels
-  with `topk` children per node of which `verify` tokens (root included) go to the target."""
+  with `topk` children per node of which `verify` tokens (root included) go to the target.
+  drafter: who drafts, the learned drafter on device or the history drafter
+  (`rollout.history`) on the host (chains only)."""
   name: str
   depth: int = 0
   topk: int = 0    # 0 = chain
   verify: int = 0  # tree only
+  drafter: str = LEARNED
 
   def __post_init__(self):
+    if self.drafter not in (LEARNED, HISTORY):
+      raise ValueError(f"arm {self.name}: drafter must be {LEARNED!r} or {HISTORY!r}")
+    if self.drafter == HISTORY and (self.topk or not self.depth):
+      raise ValueError(f"arm {self.name}: history arms are chains of depth >= 1")
     if self.topk and not 2 <= self.verify <= 1 + self.depth * self.topk:
       raise ValueError(f"arm {self.name}: a tree of depth {self.depth} x top-{self.topk} has "
                        f"{1 + self.depth * self.topk} nodes; verify={self.verify} must be in "
                        f"[2, {1 + self.depth * self.topk}]")
+
+  @property
+  def is_history(self) -> bool:
+    return self.drafter == HISTORY
+
+  @property
+  def needs_drafter(self) -> bool:
+    """Whether the arm needs the learned drafter."""
+    return self.depth > 0 and not self.is_history
 
   @property
   def is_tree(self) -> bool:
@@ -59,16 +77,24 @@ def tree_arm(depth: int, topk: int, verify: int) -> Arm:
   return Arm(f"tree{depth}_{topk}_{verify}", depth, topk, verify)
 
 
+def history_arm(depth: int) -> Arm:
+  return Arm(f"history_chain{depth}", depth, drafter=HISTORY)
+
+
 def parse_arms(spec: str) -> tuple[Arm, ...]:
-  """'chain2,chain4,tree6_4_32' -> (off, chain2, chain4, tree6_4_32): `off` is always an arm."""
+  """'chain2,tree6_4_32,history_chain4' -> (off, chain2, tree6_4_32, history_chain4): `off` is
+  always an arm."""
   arms = [Arm(OFF)]
   for name in (n.strip() for n in spec.split(",") if n.strip()):
     if re.fullmatch(r"chain\d+", name):
       arms.append(Arm(name, int(name[5:])))
     elif re.fullmatch(r"tree\d+_\d+_\d+", name):
       arms.append(tree_arm(*(int(x) for x in name[4:].split("_"))))
+    elif re.fullmatch(r"history_chain\d+", name):
+      arms.append(history_arm(int(name[13:])))
     elif name != OFF:
-      raise ValueError(f"unknown SD arm {name!r}: use chainN or treeDEPTH_TOPK_VERIFY")
+      raise ValueError(f"unknown SD arm {name!r}: use chainN, treeDEPTH_TOPK_VERIFY or "
+                       "history_chainN")
   return tuple(arms)
 
 
