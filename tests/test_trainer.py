@@ -387,3 +387,36 @@ def test_tensor_parallel_backward_gathers_again_instead_of_keeping_whole_inputs(
   rows, T = 8 // 4, dev[0].shape[1]
   kept = rows * T * cfg.num_layers * (cfg.num_heads * cfg.head_dim + cfg.intermediate_size) * 4 / 2
   assert temp[False] - temp[True] >= 0.5 * kept, (temp, kept)
+
+
+@pytest.mark.parametrize("devices,config", [
+    (1, dict(chunk_rows=8)),
+    (1, dict(chunk_rows=4, loss="ppo", minibatches=2, kl_coef=0.1)),  # prepare pass, reference
+    (8, dict(chunk_rows=8, kl_coef=0.1)),                             # rows over a data mesh
+])
+def test_warm_up_compiles_ahead_so_steps_compile_nothing_and_match(devices, config):
+  """Trainer.warm_up compiles ahead of time (nothing runs); the steps after it compile nothing
+  and give the metrics and parameters of a trainer that compiled on first use, bitwise."""
+  from tlt_jax import mesh as mesh_lib
+
+  compiles = []
+  def listener(event, duration, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(duration)
+
+  with on_devices(devices) as devs:
+    mesh = mesh_lib.make_mesh(data=devices, devices=devs) if devices > 1 else None
+    batch, *_ = _batch(_model())
+    cfg = TrainConfig(length_bucket=8, sampling=SAMPLING, **config)
+    cold, warm = Trainer(_model(), cfg, mesh=mesh), Trainer(_model(), cfg, mesh=mesh)
+    expected = [cold.step(batch) for _ in range(2)]
+    shapes = warm.warm_up(L)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+      got = [warm.step(batch) for _ in range(2)]
+    finally:
+      jax.monitoring.unregister_event_duration_listener(listener)
+  assert shapes == 2 and compiles == []
+  assert got == expected  # host metrics of both steps, exactly
+  for a, b in zip(jax.tree.leaves(warm.state()), jax.tree.leaves(cold.state())):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

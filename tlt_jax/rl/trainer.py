@@ -216,6 +216,7 @@ class StepFunctions:
     self.grad = jax.jit(self._grad_fn)
     self.apply = jax.jit(self._apply_fn, donate_argnums=(0, 1))
     self.accumulate = jax.jit(lambda total, g: jax.tree.map(jnp.add, total, g))
+    self.copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))  # one program, not one per leaf
 
   # The frozen weights are an argument of every device function, never a closed-over constant:
   # a constant would be baked into the program (the whole base model, for a LoRA run), and
@@ -332,6 +333,36 @@ def step_functions(cfg: TrainConfig, graphdef, mesh: jax.sharding.Mesh | None) -
   return StepFunctions(cfg, graphdef, mesh)
 
 
+class _Compiled:
+  """A jitted function with its ahead-of-time compiled programs: `compile(*args)` lowers and
+  compiles for the arguments' shapes, dtypes and shardings (arrays or ShapeDtypeStructs, nothing
+  runs); a call with matching arguments runs that program, any other call the jitted function.
+  (A jit call after `.lower().compile()` traces and compiles again: JAX keeps no link.)"""
+
+  def __init__(self, jitted):
+    self.jitted = jitted
+    self.programs: dict = {}
+
+  @staticmethod
+  def _key(args) -> tuple:
+    leaves, treedef = jax.tree.flatten(args)
+    return treedef, tuple((tuple(x.shape), np.dtype(x.dtype), bool(getattr(x, "weak_type", False)),
+                           getattr(x, "sharding", None)) for x in leaves)
+
+  def compile(self, *args):
+    key = self._key(args)
+    if key not in self.programs:
+      self.programs[key] = self.jitted.lower(*args).compile()
+    return self.programs[key]
+
+  def __call__(self, *args):
+    program = self.programs.get(self._key(args))
+    return (program or self.jitted)(*args)
+
+  def lower(self, *args):
+    return self.jitted.lower(*args)
+
+
 class Trainer:
   """Owns the trainable parameters (LoRA, or all of them when the model has no LoRA) and the
   optimizer state; `local_policy()` is the current model for the rollout engine.
@@ -374,8 +405,9 @@ class Trainer:
       self.reference = (jax.tree.map(jnp.copy, self.trainable) if self.full_finetune
                         else _zero_lora(self.trainable))
     self.single_update = cfg.minibatches == 1 and cfg.epochs == 1
-    self._prepare, self._grad = self.fns.prepare, self.fns.grad
-    self._apply, self._accumulate = self.fns.apply, self.fns.accumulate
+    self._prepare, self._grad = _Compiled(self.fns.prepare), _Compiled(self.fns.grad)
+    self._apply, self._accumulate = _Compiled(self.fns.apply), _Compiled(self.fns.accumulate)
+    self._copy = _Compiled(self.fns.copy)
     self._local_frozen = None
 
   # -- what the rest of the run sees
@@ -431,10 +463,13 @@ class Trainer:
 
   def warm_up(self, length: int) -> int:
     """Compiles the step for every chunk shape a batch of rows up to `length` tokens can make
-    (one per length bucket), so no RL step pays a compile; returns how many shapes."""
+    (one per length bucket), and the gradient sum and the update, so no RL step pays a compile;
+    nothing runs (ahead-of-time compilation: on a warm persistent cache this is loading).
+    Returns how many chunk shapes."""
     cfg = self.cfg
     lengths = sorted({min(length, b) for b in range(cfg.length_bucket, length + cfg.length_bucket,
                                                      cfg.length_bucket)})
+    state = (self.trainable, self.frozen, self.reference)
     for L in lengths:
       R = cfg.chunk_rows
       dev = tuple(self._device(x) for x in (
@@ -442,15 +477,12 @@ class Trainer:
           np.zeros((R, L - 1), np.float32), np.zeros((R,), np.float32)))
       extra = (None, None, None)
       if not self.single_update:
-        extra = self._prepare(self.trainable, self.frozen, self.reference, *dev[:3])[:3]
-      grads, _ = self._grad(self.trainable, self.frozen, self.reference, np.float32(0.0), *dev,
-                            *extra)
-      jax.block_until_ready(grads)
-    # The update and the gradient sum too (on copies: the update donates its inputs), so the
-    # first RL step pays no compile either.
-    grads = self._accumulate(grads, grads)
-    copy = lambda tree: jax.tree.map(jnp.copy, tree)
-    jax.block_until_ready(self._apply(copy(self.trainable), copy(self.opt_state), grads))
+        extra = self._prepare.compile(*state, *dev[:3]).out_info[:3]
+      grads = self._grad.compile(*state, np.float32(0.0), *dev, *extra).out_info[0]
+    self._accumulate.compile(grads, grads)
+    self._apply.compile(self.trainable, self.opt_state, grads)
+    if cfg.minibatches * cfg.epochs > 1:
+      self._copy.compile((self.trainable, self.opt_state))
     return len(lengths)
 
   def plan(self, batch: Batch) -> list[list[tuple[tuple, np.float32]]]:
@@ -497,7 +529,7 @@ class Trainer:
     # Several updates per batch: one non-finite update must undo the ones before it too, and
     # the update donates its inputs, so the state before the batch is kept as a copy.
     before = (None if cfg.minibatches * cfg.epochs == 1 else
-              jax.tree.map(jnp.copy, (self.trainable, self.opt_state)))
+              self._copy((self.trainable, self.opt_state)))
     for _ in range(cfg.epochs):
       for m, chunk_list in enumerate(plan):
         grads, stats = self.gradients(chunk_list, prepared[m] if prepared else None)
