@@ -70,6 +70,20 @@ def test_dapo_dynamic_sampling_and_overlong_shaping():
   assert alg.dynamic_sampling_weights("grpo", correct, 2) is None
 
 
+def test_dapo_train_groups_takes_the_first_mixed_groups_and_fills_a_shortfall():
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    correct = (rng.random(6 * 3) < rng.choice([0.1, 0.5, 0.9])).astype(np.float32)
+    hits = correct.reshape(-1, 3).sum(1)
+    mixed = [g for g in range(6) if 0 < hits[g] < 3]  # groups of 3, 2 rollouts of 3 prompts
+    uniform = [g for g in range(6) if g not in mixed]
+    chosen, n = alg.dapo_train_groups(correct, 3, 3)
+    assert n == len(mixed)
+    assert chosen.tolist() == sorted(mixed[:3] + uniform[:max(3 - len(mixed), 0)])
+  # One rollout of exactly the batch: every group, in order (DAPO as before over-sampling).
+  np.testing.assert_array_equal(alg.dapo_train_groups(np.ones(8), 2, 4)[0], [0, 1, 2, 3])
+
+
 def test_ppo_clip_higher():
   old = jnp.log(jnp.array([[0.5, 0.5]]))
   new = jnp.log(jnp.array([[0.6, 0.75]]))  # ratios 1.2 and 1.5

@@ -54,7 +54,7 @@ BAD_VALUES = [
     ("rl.algorithm", "grpoo"), ("rl.loss", "ppo2"), ("rollout.top_p", 0.0),
     ("rollout.temperature", -0.5), ("rollout.buckets", (16, 4)), ("checkpoint.keep", 0),
     ("data.on_error", "ignore"), ("tlt.fixed_arm", "chain3"), ("model.dtype", "float16"),
-    ("rl.reward_worker_kind", "fork"),
+    ("rl.reward_worker_kind", "fork"), ("rl.dapo_max_rollouts", 0),
 ]
 
 

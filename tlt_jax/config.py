@@ -103,6 +103,13 @@ def default_config() -> ml_collections.ConfigDict:
       tp_regather=True,
       kl_coef=0.0, kl_estimator="k3", tis_cap=2.0,
       overlong_buffer=0,  # DAPO soft overlong penalty over the last N tokens (0 = off)
+      # DAPO dynamic sampling (rl.algorithm="dapo"): groups whose answers are all right or all
+      # wrong are dropped, and while fewer than rollout.prompts_per_step mixed groups are in
+      # hand the step draws and rolls out the next batch of prompts, up to this many rollouts
+      # per step in all (verl's max_num_gen_batches, 10 there; 1 = no over-sampling). Still
+      # short after the last one, the step trains on the mixed groups it has, the rest of the
+      # batch with weight 0 (metrics: dapo_rollouts, dapo_mixed_groups, dapo_shortfall_groups).
+      dapo_max_rollouts=4,
       correct_weight=1.0, format_weight=0.0,
       reward_workers=2, reward_worker_kind="thread",
       # code rewards (tlt_jax/rl/code_reward.py): "all" = 1 only when every test passes,
@@ -234,6 +241,9 @@ def _run_problems(c: ml_collections.ConfigDict) -> list[str]:
   for key in ("minibatches", "epochs", "chunk_rows"):
     if rl[key] < 1:
       problems.append(f"rl.{key}={rl[key]} must be >= 1")
+  if rl.dapo_max_rollouts < 1:
+    problems.append(f"rl.dapo_max_rollouts={rl.dapo_max_rollouts} must be >= 1 (1 = no "
+                    "over-sampling)")
   if rl.steps < 0:
     problems.append(f"rl.steps={rl.steps} must be >= 0")
   if rl.reward_worker_kind not in scoring.WORKER_KINDS or rl.reward_workers < 1:

@@ -41,6 +41,7 @@ DEFAULT_CONFIG = os.path.join(REPO_ROOT, "experiments", "configs", "tiny_arith.p
 # Named purposes for host-side seeds: a seed is a function of (run seed, purpose, step), never
 # of call order, so a resumed run and an uninterrupted one draw the same numbers.
 PURPOSE_ROLLOUT, PURPOSE_EVAL, PURPOSE_WARMUP, PURPOSE_WARMUP_PROMPTS = 1, 2, 3, 4
+PURPOSE_DAPO_ROUND = 5  # DAPO's extra rollouts within a step: (seed, purpose, step, round, ...)
 
 
 def derived_seed(seed: int, purpose: int, step: int, *more: int) -> np.int32:

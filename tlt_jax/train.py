@@ -113,6 +113,8 @@ def train(job: job_lib.Job, *, t_start: float | None = None, config_path: str = 
     inner = _progress(c, total=len(rows) * job.group_size, desc=f"rollout {step + 1}",
                       unit="sample", leave=False)
     try:
+      # DAPO may read more batches from job.data within the step (its over-sampling): before
+      # the checkpoint below, which saves the iterator's position after them.
       record, ro = rl_step.run(job, step, rows, on_sample=lambda _: inner.update(1))
     except FloatingPointError as e:
       # The update was not applied: save the state as it was, so nothing is lost; resuming

@@ -9,6 +9,8 @@ Estimators (rewards [N] -> advantages [N]):
   rloo     r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean_group)
   dapo     grpo's advantages; groups whose answers are all right or all wrong are dropped
            (`dynamic_sampling_weights`, on accuracy as in the paper, not on the shaped reward)
+           and the step rolls out more prompts until the batch is full (`dapo_train_groups`,
+           rl/step.py)
   gspo     grpo's advantages; the loss uses a sequence-level ratio
 Losses (aggregation in parentheses):
   ppo      token-level clipped ratio, eps_low / eps_high (clip-higher) (`token_mean`, DAPO)
@@ -91,6 +93,22 @@ def dynamic_sampling_weights(algorithm: str, correct_N, group_size: int):
   if algorithm != "dapo":
     return None
   return np.asarray(mixed_groups(np.asarray(correct_N) > 0, group_size), np.float32)
+
+
+def dapo_train_groups(correct_N, group_size: int, num_groups: int) -> tuple[np.ndarray, int]:
+  """DAPO's dynamic sampling over a step's rollouts (group-major, in the order rolled out): the
+  indices of the `num_groups` groups the trainer gets, and how many groups have mixed accuracy
+  (0 < correct < G). The first `num_groups` mixed groups when there are as many; otherwise every
+  mixed group and, to keep the batch's shape, the first uniform ones (weight 0 in the loss);
+  indices in rollout order. With one rollout of `num_groups` groups: all of them, in order."""
+  correct_GxS = np.asarray(correct_N).reshape(-1, group_size) > 0
+  hits = correct_GxS.sum(axis=1)
+  mixed = np.flatnonzero((hits > 0) & (hits < group_size))
+  uniform = np.flatnonzero((hits == 0) | (hits == group_size))
+  if len(mixed) + len(uniform) < num_groups:
+    raise ValueError(f"{len(mixed) + len(uniform)} groups rolled out, fewer than {num_groups}")
+  chosen = np.concatenate([mixed[:num_groups], uniform[:max(num_groups - len(mixed), 0)]])
+  return np.sort(chosen), len(mixed)
 
 
 def overlong_penalty(lengths_N, max_len: int, buffer: int) -> jax.Array:

@@ -8,18 +8,27 @@
 a function of the job and the previous stage's value, so a notebook can run them one at a time.
 In a multi-process run each process decodes its share of the prompts and `rollout` gathers the
 whole batch, so every later stage sees the same data on every process.
+
+DAPO (dynamic sampling, paper section 3.2; verl's `max_num_gen_batches`): groups whose answers
+are all right or all wrong teach nothing, so after the rollout `dapo_rollouts` draws the next
+batch of prompts from the job's data iterator and rolls it out too, until the step holds
+`rollout.prompts_per_step` mixed groups or `rl.dapo_max_rollouts` rollouts; the trainer gets the
+first `prompts_per_step` mixed groups (a batch of the usual shape). The decision is taken from
+the gathered accuracies, so every process draws the same number of batches, and the extra
+batches are read before the step's checkpoint, which saves the iterator's position after them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 import jax
 import numpy as np
 
 from tlt_jax import multihost
-from tlt_jax.job import PURPOSE_ROLLOUT, Job, derived_seed
+from tlt_jax.job import PURPOSE_DAPO_ROUND, PURPOSE_ROLLOUT, Job, derived_seed
 from tlt_jax.rl import algorithms
 from tlt_jax.rl.scoring import reward_metrics
 from tlt_jax.rl.trainer import Batch, make_batch
@@ -40,21 +49,28 @@ class Rollout:
   drafter_record: dict            # TLT: drafter version, buffer and spot-training figures
   rollout_s: float
   reward_wait_s: float
+  kinds: list = dataclasses.field(default_factory=list)  # per sample: kind, reward, correct, path
+  # DAPO: the groups the trainer gets (None = all) and the over-sampling figures for the record
+  train_groups: np.ndarray | None = None
+  dapo_record: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
 class Scored:
   """The rollout as the trainer sees it."""
   batch: Batch
+  # Over every sample the step rolled out (all of DAPO's rollouts, not only the trained groups):
   rewards_N: np.ndarray           # after shaping (the overlong penalty), f32
-  mixed_N: np.ndarray             # the sample's group has both right and wrong answers
+  mixed_N: np.ndarray             # the sample's group has unequal shaped rewards
   lengths_N: np.ndarray           # response tokens, int32
 
 
-def rollout(job: Job, step: int, rows: list[dict], *, on_sample=None) -> Rollout:
+def rollout(job: Job, step: int, rows: list[dict], *, on_sample=None,
+            round_index: int = 0) -> Rollout:
   """Decodes `group_size` samples for each row, scoring each as it finishes (in the scorer's
   workers, overlapped with decoding); with TLT the drafter trains on idle devices meanwhile
-  and is published for the next step."""
+  and is published for the next step. `round_index` > 0: DAPO's extra rollouts within the step
+  (their own seeds; round 0 is the step's seed as without DAPO)."""
   c, engine, spot, G = job.config, job.engine, job.spot, job.group_size
   formatter, tokenizer = job.policy.formatter, job.policy.tokenizer
   prompts = [formatter.encode(row["prompt"]) for row in rows]
@@ -68,8 +84,9 @@ def rollout(job: Job, step: int, rows: list[dict], *, on_sample=None) -> Rollout
   if spot is not None:
     spot.refresh_data(job.trainer.local_policy())  # the window so far, current policy features
   t0 = time.perf_counter()
-  seed = derived_seed(c.seed, PURPOSE_ROLLOUT, step,
-                      *([jax.process_index()] if job.multi_process else []))
+  process = [jax.process_index()] if job.multi_process else []
+  seed = (derived_seed(c.seed, PURPOSE_DAPO_ROUND, step, round_index, *process) if round_index
+          else derived_seed(c.seed, PURPOSE_ROLLOUT, step, *process))
   samples = engine.generate(prompts, group_size=G, seed=seed, on_finish=score_when_done,
                             spot=spot, min_live_share=c.tlt.min_live_share, **job.forced_arm)
   rollout_s = time.perf_counter() - t0
@@ -99,7 +116,7 @@ def rollout(job: Job, step: int, rows: list[dict], *, on_sample=None) -> Rollout
                  correct_N=correct, finish=finish,
                  local_tokens=sum(len(s.tokens) for s in samples), report=engine.last_report,
                  reward_record=reward_record, drafter_record=drafter_record, rollout_s=rollout_s,
-                 reward_wait_s=reward_wait_s)
+                 reward_wait_s=reward_wait_s, kinds=kinds)
 
 
 def _drafter_side(job: Job, step: int, samples, report) -> dict:
@@ -124,9 +141,68 @@ def _drafter_side(job: Job, step: int, samples, report) -> dict:
   return record
 
 
+def dapo_rollouts(job: Job, step: int, first: Rollout, *, on_sample=None) -> Rollout:
+  """DAPO's over-sampling: while the rollouts so far hold fewer than `prompts_per_step` groups
+  with mixed accuracy, the next batch of this process's prompts from `job.data` is rolled out,
+  up to `rl.dapo_max_rollouts` rollouts in all. Returns them as one Rollout (all their samples,
+  in order) whose `train_groups` are the groups to train on (`algorithms.dapo_train_groups`)."""
+  c, G = job.config, job.group_size
+  P = c.rollout.prompts_per_step
+  rounds = [first]
+  # On the gathered accuracies: every process takes the same decision, draws as many batches.
+  mixed = algorithms.dapo_train_groups(first.correct_N, G, P)[1]
+  while mixed < P and len(rounds) < c.rl.dapo_max_rollouts:
+    rows = next(job.data)
+    rounds.append(rollout(job, step, rows, on_sample=on_sample, round_index=len(rounds)))
+    mixed += algorithms.dapo_train_groups(rounds[-1].correct_N, G, P)[1]
+  ro = _joined(rounds) if len(rounds) > 1 else first
+  ro.train_groups, mixed = algorithms.dapo_train_groups(ro.correct_N, G, P)
+  shortfall = max(P - mixed, 0)
+  ro.dapo_record = {"dapo_rollouts": len(rounds), "dapo_mixed_groups": mixed,
+                    "dapo_shortfall_groups": shortfall}
+  if shortfall and c.rl.dapo_max_rollouts > 1 and job.primary:
+    print(f"[dapo] step {step + 1}: {mixed} of {P} groups with mixed accuracy after "
+          f"{len(rounds)} rollouts (rl.dapo_max_rollouts={c.rl.dapo_max_rollouts}); the other "
+          f"{shortfall} train with weight 0", file=sys.stderr)
+  return ro
+
+
+def _joined(rounds: list[Rollout]) -> Rollout:
+  """Several rollouts of one step as one: samples, rewards and seconds of all of them; the
+  report's per-rollout figures summed (accept_len and sd_chunk_fraction weighted by this
+  process's tokens), its timelines (chunk trace, group finish times) the first rollout's; the
+  drafter figures the last rollout's, with its steps and idle device-seconds summed."""
+  reports = [r.report for r in rounds]
+  weights = np.array([r.local_tokens for r in rounds], np.float64)
+  weights = weights / weights.sum() if weights.sum() else np.full(len(rounds), 1 / len(rounds))
+  report = dataclasses.replace(
+      reports[0], seconds=sum(r.seconds for r in reports),
+      idle_device_s=sum(r.idle_device_s for r in reports),
+      drafter_steps=sum(r.drafter_steps for r in reports),
+      drafter_metrics=reports[-1].drafter_metrics,
+      accept_len=float(np.dot(weights, [r.accept_len for r in reports])),
+      sd_chunk_fraction=float(np.dot(weights, [r.sd_chunk_fraction for r in reports])))
+  drafter_record = dict(rounds[-1].drafter_record)
+  for key in ("drafter_steps", "idle_device_s"):
+    if key in drafter_record:
+      drafter_record[key] = sum(r.drafter_record[key] for r in rounds)
+  kinds = [k for r in rounds for k in r.kinds]
+  return Rollout(
+      prompts=[p for r in rounds for p in r.prompts], tokens=[t for r in rounds for t in r.tokens],
+      logprobs=[lp for r in rounds for lp in r.logprobs],
+      rewards_N=np.concatenate([r.rewards_N for r in rounds]),
+      correct_N=np.concatenate([r.correct_N for r in rounds]),
+      finish=[f for r in rounds for f in r.finish],
+      local_tokens=sum(r.local_tokens for r in rounds), report=report,
+      reward_record=reward_metrics(dict(enumerate(kinds))), drafter_record=drafter_record,
+      rollout_s=sum(r.rollout_s for r in rounds),
+      reward_wait_s=sum(r.reward_wait_s for r in rounds), kinds=kinds)
+
+
 def score(job: Job, ro: Rollout) -> Scored:
   """Shaped rewards -> per-sample advantages (the algorithm's estimator over each group) -> the
-  trainer's padded batch. DAPO keeps only groups with both right and wrong answers."""
+  trainer's padded batch of `ro.train_groups` (all groups when None). DAPO keeps only groups
+  with both right and wrong answers (weight 0 for the others)."""
   c, G = job.config, job.group_size
   rl = c.rl
   lengths = np.array([len(t) for t in ro.tokens], np.int32)
@@ -134,11 +210,13 @@ def score(job: Job, ro: Rollout) -> Scored:
   if rl.overlong_buffer:
     rewards = rewards + np.asarray(algorithms.overlong_penalty(lengths, c.rollout.max_new_tokens,
                                                                rl.overlong_buffer))
-  advantages = np.asarray(algorithms.ADVANTAGES[rl.algorithm](rewards, G))
   mixed = np.asarray(algorithms.mixed_groups(rewards, G))
-  keep = algorithms.dynamic_sampling_weights(rl.algorithm, ro.correct_N, G)  # on accuracy (DAPO)
-  batch = make_batch(ro.prompts, ro.tokens, ro.logprobs, advantages, job.train_len,
-                     weights_N=keep)
+  rows = np.arange(len(rewards)) if ro.train_groups is None else (
+      np.asarray(ro.train_groups)[:, None] * G + np.arange(G)).reshape(-1)
+  advantages = np.asarray(algorithms.ADVANTAGES[rl.algorithm](rewards[rows], G))
+  keep = algorithms.dynamic_sampling_weights(rl.algorithm, ro.correct_N[rows], G)  # accuracy
+  batch = make_batch([ro.prompts[i] for i in rows], [ro.tokens[i] for i in rows],
+                     [ro.logprobs[i] for i in rows], advantages, job.train_len, weights_N=keep)
   return Scored(batch=batch, rewards_N=rewards, mixed_N=mixed, lengths_N=lengths)
 
 
@@ -152,7 +230,10 @@ def update(job: Job, scored: Scored) -> tuple[dict, float]:
 
 
 def record(ro: Rollout, scored: Scored, stats: dict, train_s: float) -> dict:
-  """The step's metrics (one metrics.jsonl line)."""
+  """The step's metrics (one metrics.jsonl line). The reward, correct, length and finish figures
+  are over every sample the step rolled out (with DAPO, all its rollouts: the policy on the
+  prompts it drew, not only the groups it trained on); rollout_s, reward_wait_s and the tokens
+  per second are summed over those rollouts; the train figures are the trained batch's."""
   rewards, lengths, report = scored.rewards_N, scored.lengths_N, ro.report
   return {
       "reward_mean": float(rewards.mean()), "correct_mean": float(ro.correct_N.mean()),
@@ -162,12 +243,15 @@ def record(ro: Rollout, scored: Scored, stats: dict, train_s: float) -> dict:
       "rollout_s": ro.rollout_s, "reward_wait_s": ro.reward_wait_s, "train_s": train_s,
       "rollout_tokens_per_s": float(ro.local_tokens / ro.rollout_s),
       "accept_len": report.accept_len, "sd_chunk_fraction": report.sd_chunk_fraction,
-      **ro.reward_record, **ro.drafter_record, **stats}
+      **ro.reward_record, **ro.drafter_record, **ro.dapo_record, **stats}
 
 
 def run(job: Job, step: int, rows: list[dict], *, on_sample=None) -> tuple[dict, Rollout]:
-  """One whole RL step on `rows` (this process's prompts); returns (metrics record, rollout)."""
+  """One whole RL step on `rows` (this process's prompts); returns (metrics record, rollout).
+  DAPO may draw more rows from `job.data` (`dapo_rollouts`)."""
   ro = rollout(job, step, rows, on_sample=on_sample)
+  if job.config.rl.algorithm == "dapo":
+    ro = dapo_rollouts(job, step, ro, on_sample=on_sample)
   scored = score(job, ro)
   stats, train_s = update(job, scored)
   return record(ro, scored, stats, train_s), ro
