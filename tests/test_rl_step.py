@@ -6,6 +6,7 @@ have mixed accuracy in each rollout is known up front (a sampled model decides i
 
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -127,3 +128,56 @@ def test_dapo_short_after_its_last_rollout_trains_the_mixed_groups_only(dapo_job
   np.testing.assert_array_equal(ro.train_groups, [0, 1, 4, 6])
   in_loss = batch.mask_NxT.any(axis=1).reshape(P, G)
   assert not in_loss[:2].any() and in_loss[2:].all()
+
+
+class NanOnSecondStep(ScriptedScorer):
+  """Scores the first rollout half right (every group mixed), every later one NaN."""
+
+  def results(self):
+    out, wait = super().results()
+    for r in out.values():
+      if self.calls > 1:
+        r["reward"] = float("nan")
+    return out, wait
+
+
+def test_a_nan_update_saves_the_state_before_it_over_the_step_s_own_checkpoint(tmp_path):
+  """Step 2's update is not finite: the run saves the state before it as checkpoint 1 (which
+  step 1's regular save already wrote: replaced, not StepAlreadyExistsError), stops with a
+  message naming it, and a new job on the workdir resumes there with the data iterator past
+  the failed batch."""
+  from tlt_jax import run_state
+  from tlt_jax import train as train_lib
+
+  global SCRIPT
+  c = config_lib.load_config_file(
+      os.path.join(job_lib.REPO_ROOT, "experiments", "configs", "tiny_arith.py"), "smoke")
+  c.workdir = str(tmp_path / "nan")
+  c.rollout.prompts_per_step, c.rollout.group_size = P, G
+  c.rollout.max_new_tokens, c.rollout.buckets = 16, (4, 16)
+  c.data.synthetic_train, c.eval.num_problems, c.rl.steps = 64, 8, 2
+  c.checkpoint.every, c.eval.every = 1, 0
+  c.metrics.tensorboard, c.metrics.plots, c.metrics.progress = False, False, False
+  config_lib.validate(c)
+  j = job_lib.build(c)
+  real_scorer, j.scorer = j.scorer, NanOnSecondStep()
+  script, SCRIPT = SCRIPT, [["mixed"] * P] * 2
+  try:
+    with pytest.raises(FloatingPointError, match=r"^RL step 2: .*update was not applied.*The "
+                                                 r"state before this step is saved in .*"
+                                                 r"checkpoints/1;"):
+      train_lib.train(j)
+    params, data_state = j.trainer.trainable, j.data.get_state()
+  finally:
+    SCRIPT = script
+    j.scorer = real_scorer
+    j.close()
+  resumed = job_lib.build(c)
+  try:
+    progress = run_state.restore(resumed)
+    assert progress.step == 1 and resumed.checkpointer.all_steps() == [1]
+    assert resumed.data.get_state() == data_state  # the failed batch is not drawn again
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(resumed.trainer.trainable)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  finally:
+    resumed.close()
