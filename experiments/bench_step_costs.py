@@ -2,6 +2,7 @@
 
     python -m experiments.bench_step_costs --model qwen2_5_0_5b [qwen2_5_1_5b qwen2_5_7b]
     python -m experiments.bench_step_costs --model qwen2_5_0_5b --quick     # CPU, a few minutes
+    python -m experiments.bench_step_costs --model bench_tlt   # bench_tlt's own model and engine
 
 Builds a random-weight model of the named shape with the project's own model code (the shapes of
 the Hugging Face config.json files; nothing is downloaded), LoRA on every linear as the paper
@@ -25,6 +26,12 @@ The JSON (printed, and written to experiments/results/step_costs_<model>_<backen
 shape (model shape, dtype, context, bucket, rows) match, the planner and the long-tail predictor
 take the measured time instead of the model's ("measurement wins").
 
+`--model bench_tlt` measures `experiments/bench_tlt.py`'s setup instead: the tiny_arith policy's
+shape (random weights: a program's time does not depend on them), its engine settings (buckets
+1..16, prompt 40, 192 new tokens, chunk_steps 8, chain2/chain4) and numerics (batch_invariant),
+its drafter step (8 x 256), on one host device: the CPU step costs that
+`experiments/simulate_bench_tlt.py` drives the long-tail simulator with.
+
 Budget: the programs are measured in priority order (decode and SD at batch 1 first, then the
 train steps, then the other buckets), and once a model's share of `--budget-s` is spent the rest
 are skipped and listed under `skipped`; so the three models run in under `--budget-s` (default
@@ -34,6 +41,7 @@ are skipped and listed under `skipped`; so the three models run in under `--budg
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -46,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tlt_jax import compile_cache, logs, ops
+from tlt_jax import compile_cache, determinism, logs, ops
 from tlt_jax.model import lora
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import ModelConfig, Transformer
@@ -84,8 +92,21 @@ PROFILE_OF_DEVICE = (("GH200", "gh200"), ("H200", "h200"), ("H100", "h100_sxm"),
                      ("v5e", "tpu_v5e"))
 
 
+def bench_tlt_config():
+  """experiments/bench_tlt.py's run config (its model, engine and drafter settings)."""
+  from experiments import bench_tlt  # noqa: PLC0415 (sets 2 host devices if imported first)
+
+  return bench_tlt.base_config(10, "/tmp/unused")
+
+
 def model_config(name: str, *, layers: int | None = None, vocab: int | None = None,
                  dtype: str = "bfloat16") -> ModelConfig:
+  if name == "bench_tlt":
+    from tlt_jax import config as config_lib  # noqa: PLC0415
+
+    cfg = config_lib.model_config(bench_tlt_config())
+    return dataclasses.replace(cfg, num_layers=layers or cfg.num_layers,
+                               vocab_size=vocab or cfg.vocab_size)
   shape = dict(MODELS[name])
   if layers:
     shape["num_layers"] = layers
@@ -121,12 +142,15 @@ class Bench:
     self.name, self.args, self.t_start = name, args, time.perf_counter()
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     self.cfg = model_config(name, layers=args.layers, vocab=args.vocab, dtype=dtype)
+    if name == "bench_tlt" and not args.dtype:
+      self.cfg = dataclasses.replace(self.cfg, dtype=model_config(name).dtype)
     self.hw = calibration.profile(hw_name)
     self.arms = tuple(a for a in parse_arms(args.arms) if a.depth)
     window = max([a.draft_slots for a in self.arms] + [args.chunk_steps])
     self.ecfg = EngineConfig(
         buckets=tuple(args.buckets), max_prompt_len=args.prompt,
-        max_new_tokens=max(args.context - args.prompt - window, 1), chunk_steps=args.chunk_steps,
+        max_new_tokens=args.max_new or max(args.context - args.prompt - window, 1),
+        chunk_steps=args.chunk_steps,
         sampling=SamplingParams(temperature=1.0), arms=(Arm(OFF, 0),) + self.arms,
         max_verify_tokens_per_bucket=args.max_verify_tokens)
     self.context = self.ecfg.num_slots  # every step attends the whole cache (static shapes)
@@ -354,22 +378,25 @@ class Bench:
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--model", nargs="+", default=["qwen2_5_0_5b"], choices=sorted(MODELS))
+  p.add_argument("--model", nargs="+", default=["qwen2_5_0_5b"],
+                 choices=sorted(MODELS) + ["bench_tlt"])
   p.add_argument("--quick", action="store_true",
                  help="CPU scale: 2 layers, buckets 1 4, context 128, chain2 + tree2_2_4, "
                       "train 2 x 64")
   p.add_argument("--layers", type=int, default=None, help="override the layer count")
   p.add_argument("--vocab", type=int, default=None, help="override the vocabulary (tests)")
   p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 elsewhere")
-  p.add_argument("--numerics", default="xla", choices=ops.NUMERICS_MODES)
+  p.add_argument("--numerics", default=None, choices=ops.NUMERICS_MODES, help="default xla")
   p.add_argument("--buckets", type=int, nargs="+", default=None)
   p.add_argument("--arms", default=None, help="SD arms (default chain4,tree8_4_32)")
   p.add_argument("--context", type=int, default=None, help="cache slots (default 1024)")
   p.add_argument("--prompt", type=int, default=None)
+  p.add_argument("--max-new", type=int, default=None,
+                 help="response slots (default: context - prompt - the draft window)")
   p.add_argument("--chunk-steps", type=int, default=None)
-  p.add_argument("--sd-threshold", type=int, default=32)
+  p.add_argument("--sd-threshold", type=int, default=None, help="default 32")
   p.add_argument("--max-verify-tokens", type=int, default=1024)
-  p.add_argument("--lora-rank", type=int, default=32)
+  p.add_argument("--lora-rank", type=int, default=None, help="default 32")
   p.add_argument("--train-rows", type=int, default=None)
   p.add_argument("--train-seq", type=int, default=None)
   p.add_argument("--drafter-rows", type=int, default=None)
@@ -379,12 +406,22 @@ def parse_args(argv=None):
                  help="wall budget for all models together (each gets an equal share)")
   p.add_argument("--out-dir", default=RESULTS_DIR)
   args = p.parse_args(argv)
-  quick = dict(layers=2, buckets=[1, 4], arms="chain2,tree2_2_4", context=128, prompt=16,
+  common = dict(numerics="xla", sd_threshold=32, lora_rank=32)
+  quick = dict(common, layers=2, buckets=[1, 4], arms="chain2,tree2_2_4", context=128, prompt=16,
                chunk_steps=4, train_rows=2, train_seq=64, drafter_rows=2, drafter_row_len=64,
                repeats=3)
-  full = dict(layers=None, buckets=[1, 4, 16, 64], arms="chain4,tree8_4_32", context=1024,
+  full = dict(common, layers=None, buckets=[1, 4, 16, 64], arms="chain4,tree8_4_32", context=1024,
               prompt=64, chunk_steps=16, train_rows=4, train_seq=1024, drafter_rows=8,
               drafter_row_len=512, repeats=5)
+  if args.model == ["bench_tlt"]:  # bench_tlt.py's settings (base_config) as they run there
+    c = bench_tlt_config()
+    full = dict(full, buckets=list(c.rollout.buckets), arms=c.tlt.arms,
+                prompt=c.rollout.max_prompt_len, max_new=c.rollout.max_new_tokens,
+                chunk_steps=c.rollout.chunk_steps,
+                drafter_rows=c.tlt.rows, drafter_row_len=c.tlt.row_len, lora_rank=c.lora.rank,
+                train_rows=c.rl.chunk_rows, train_seq=c.rollout.max_prompt_len
+                + c.rollout.max_new_tokens, sd_threshold=max(c.rollout.buckets),
+                numerics=c.numerics)
   for k, v in (quick if args.quick else full).items():
     if getattr(args, k) is None:
       setattr(args, k, v)
@@ -399,6 +436,8 @@ def out_path(args, name: str) -> str:
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
+  # The XLA flags the numerics need (as tlt_jax.train sets them), before the first computation.
+  determinism.configure(args.numerics)
   logs.configure("warning")
   cache_dir = compile_cache.configure(None)
   print(f"[bench_step_costs] compile cache: {cache_dir or 'off'}", file=sys.stderr)
