@@ -56,6 +56,7 @@ from flax import nnx
 
 from tlt_jax import compile_cache, determinism, logs, ops
 from tlt_jax.model import lora
+from tlt_jax.mesh import group_sharding
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import ModelConfig, Transformer
 from tlt_jax.perf import calibration
@@ -346,7 +347,105 @@ class Bench:
     for b in bs[1:-1]:
       out.append(("decode", (b,)))
       out += [("verify", (b, arm)) for arm in self.arms if arm.name in self.allowed[b]]
+    if self.args.contention:
+      out.append(("contended", ()))
     return out
+
+  # -- contention (bench_tlt on this CPU: host "devices" share the same cores)
+
+  def _beside(self, background_for, what: str):
+    """Every decode and SD program again, timed on the first device while `background_for(b,
+    arm)()` runs back to back on a second host device (in a thread)."""
+    import threading  # noqa: PLC0415
+
+    for b in self.ecfg.buckets:
+      for arm in [OFF] + [x.name for x in self.arms if x.name in self.allowed[b]]:
+        work = background_for(b, arm)
+        stop, started = threading.Event(), threading.Event()
+
+        def loop():
+          while not stop.is_set():
+            work()
+            started.set()
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        try:
+          started.wait()
+          per_round, times, _, _ = self.time_chunk(b, arm)
+        finally:
+          stop.set()
+          thread.join()
+        name = f"decode[{b}]" if arm == OFF else f"verify[{arm}][{b}]"
+        cost = (predict.plain_cost(self.cfg, b, self.context, 1, self.stack) if arm == OFF
+                else predict.round_cost(self.cfg, next(x for x in self.arms if x.name == arm),
+                                        b, self.context, 1, self.stack))
+        shape = dict(bucket=b, concurrent=what)
+        if arm != OFF:
+          shape["arm"] = arm
+        self.record(f"{name} + {what}", "decode" if arm == OFF else "verify",
+                    self.shape(**shape), per_round, cost, compile_s=0.0, repeats=times,
+                    per="plain step / SD round, contended",
+                    note=f"timed while {what} ran on a second host device")
+
+  def _spot_on(self, devices, seed: int) -> SpotTrainer:
+    a = self.args
+    spot = SpotTrainer(self.drafter, self.target, buffer=None,
+                       cfg=SpotConfig(rows=a.drafter_rows, row_len=a.drafter_row_len))
+    spot.warm_up([devices])
+    spot.lend(devices)
+    B, T, D = a.drafter_rows, a.drafter_row_len, self.cfg.hidden_size
+    rng = np.random.default_rng(seed)
+    feat = lambda: rng.standard_normal((B, T, D)).astype(self.cfg.jnp_dtype)
+    spot._batches = [PackedBatch(
+        rng.integers(0, self.cfg.vocab_size, (B, T), np.int32), feat(), feat(),
+        np.ones((B, T), bool), np.tile(np.arange(T, dtype=np.int32), (B, 1)),
+        np.ones((B, T), np.int32))]
+    return spot
+
+  def contended(self):
+    """bench_tlt's two rollout groups on two host devices of the same two cores: every decode
+    and SD program timed (a) while the other group runs the same program (both groups decode
+    until the first one finishes) and (b) while `SpotTrainer` steps run on the other device
+    (the finished group's device trains the drafter during the tail); and the drafter step's
+    own time during (b). On accelerators the devices share nothing; here they share cores."""
+    other = (jax.devices()[1],)
+    pool = ProgramPool(self.target, self.drafter, self.ecfg, self.allowed,
+                       placement=group_sharding(other))
+    B = max(self.ecfg.buckets)
+    rng = np.random.default_rng(4)
+    prompts = rng.integers(0, self.cfg.vocab_size, (B, self.ecfg.max_prompt_len), np.int32)
+    full = pool.get("prefill", B)(
+        pool.params, pool.draft_params, prompts, np.full((B,), self.ecfg.max_prompt_len, np.int32),
+        np.arange(B, dtype=np.int32), np.full((B,), self.ecfg.max_new_tokens, np.int32),
+        np.int32(0))
+
+    def decoding(b, arm):
+      program, compact = pool.get("decode", b, arm), pool.get("compact", B, b)
+      rows, live = np.arange(b, dtype=np.int32), np.ones((b,), bool)
+      program(pool.params, pool.draft_params, compact(full, rows, live), np.int32(0))  # compile
+      return lambda: jax.block_until_ready(
+          program(pool.params, pool.draft_params, compact(full, rows, live), np.int32(0)))
+    self._beside(decoding, "the other group decoding")
+
+    spot = self._spot_on(other, seed=3)
+    step_times = []
+
+    def train_step():
+      t0 = time.perf_counter()
+      spot.step()
+      spot.wait()
+      step_times.append(time.perf_counter() - t0)
+    train_step()
+    step_times.clear()
+    self._beside(lambda b, arm: train_step, "drafter training")
+    a = self.args
+    self.record("drafter train step + decoding", "drafter train step",
+                self.shape(train=True, rows=a.drafter_rows, row_len=a.drafter_row_len,
+                           devices=1, concurrent="decode"),
+                float(np.median(step_times)),
+                cm.drafter_train_step(self.cfg, a.drafter_rows, a.drafter_row_len),
+                compile_s=0.0, repeats=step_times, per="step, contended",
+                note="SpotTrainer steps on a second host device while the programs above ran")
 
   def run(self) -> dict:
     for method, args in self.tasks():
@@ -405,6 +504,9 @@ def parse_args(argv=None):
   p.add_argument("--budget-s", type=float, default=270.0,
                  help="wall budget for all models together (each gets an equal share)")
   p.add_argument("--out-dir", default=RESULTS_DIR)
+  p.add_argument("--contention", action="store_true",
+                 help="also time every rollout program while the drafter trains on a second "
+                      "host device (default with --model bench_tlt)")
   args = p.parse_args(argv)
   common = dict(numerics="xla", sd_threshold=32, lora_rank=32)
   quick = dict(common, layers=2, buckets=[1, 4], arms="chain2,tree2_2_4", context=128, prompt=16,
@@ -421,7 +523,8 @@ def parse_args(argv=None):
                 drafter_rows=c.tlt.rows, drafter_row_len=c.tlt.row_len, lora_rank=c.lora.rank,
                 train_rows=c.rl.chunk_rows, train_seq=c.rollout.max_prompt_len
                 + c.rollout.max_new_tokens, sd_threshold=max(c.rollout.buckets),
-                numerics=c.numerics)
+                numerics=c.numerics, repeats=21)  # ms-long chunks: more repeats, same cost
+    args.contention = True
   for k, v in (quick if args.quick else full).items():
     if getattr(args, k) is None:
       setattr(args, k, v)
