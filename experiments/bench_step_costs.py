@@ -216,20 +216,24 @@ class Bench:
     return jax.block_until_ready(s)
 
   def time_chunk(self, b: int, arm: str):
+    """Seconds per round of the (b, arm) decode chunk: each call on fresh slots (every row at
+    pos = prompt, made untimed just before it; the program donates them), the median over
+    `repeats` calls of call time / rounds run."""
     t0 = time.perf_counter()
     program = self.pool.get("decode", b, arm)
-    slots = [self.fresh_slots(b) for _ in range(self.args.repeats + 1)]
-    out = program(self.pool.params, self.pool.draft_params, slots[0], np.int32(0))
+    out = program(self.pool.params, self.pool.draft_params, self.fresh_slots(b), np.int32(0))
     jax.block_until_ready(out)
+    del out
     compile_s = time.perf_counter() - t0
-    rounds = []
-
-    def call():
-      s = slots[len(rounds) + 1]
+    times, rounds = [], []
+    for _ in range(self.args.repeats):
+      s = self.fresh_slots(b)
+      start = time.perf_counter()
       res = program(self.pool.params, self.pool.draft_params, s, np.int32(0))
       jax.block_until_ready(res)
+      times.append(time.perf_counter() - start)
       rounds.append(int(res[2]))
-    median, times = _median_seconds(call, self.args.repeats)
+      del res, s
     per_round = float(np.median([t / max(r, 1) for t, r in zip(times, rounds)]))
     return per_round, times, compile_s, rounds
 
