@@ -474,6 +474,7 @@ class Bench:
         arms=[x.name for x in self.arms], repeats=a.repeats,
         decode_bs1_hbm_roofline_fraction=bs1["hbm_roofline_fraction"] if bs1 else None,
         programs=self.rows, skipped=self.skipped, build_s=self.build_s,
+        budget_s_per_model=a.budget_s_per_model,
         wall_s=time.perf_counter() - self.t_start,
         platform=f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}",
         quick=a.quick)
@@ -505,14 +506,15 @@ def parse_args(argv=None):
   p.add_argument("--drafter-rows", type=int, default=None)
   p.add_argument("--drafter-row-len", type=int, default=None)
   p.add_argument("--repeats", type=int, default=None)
-  p.add_argument("--budget-s", type=float, default=270.0,
-                 help="wall budget for all models together (each gets an equal share)")
+  p.add_argument("--budget-s", type=float, default=None,
+                 help="wall budget for all models together (each gets an equal share; default "
+                      "270 s, bench_tlt 1800 s: every program there feeds simulate_bench_tlt)")
   p.add_argument("--out-dir", default=RESULTS_DIR)
   p.add_argument("--contention", action="store_true",
                  help="also time every rollout program while the drafter trains on a second "
                       "host device (default with --model bench_tlt)")
   args = p.parse_args(argv)
-  common = dict(numerics="xla", sd_threshold=32, lora_rank=32)
+  common = dict(numerics="xla", sd_threshold=32, lora_rank=32, budget_s=270.0)
   quick = dict(common, layers=2, buckets=[1, 4], arms="chain2,tree2_2_4", context=128, prompt=16,
                chunk_steps=4, train_rows=2, train_seq=64, drafter_rows=2, drafter_row_len=64,
                repeats=3)
@@ -527,7 +529,8 @@ def parse_args(argv=None):
                 drafter_rows=c.tlt.rows, drafter_row_len=c.tlt.row_len, lora_rank=c.lora.rank,
                 train_rows=c.rl.chunk_rows, train_seq=c.rollout.max_prompt_len
                 + c.rollout.max_new_tokens, sd_threshold=max(c.rollout.buckets),
-                numerics=c.numerics, repeats=21)  # ms-long chunks: more repeats, same cost
+                numerics=c.numerics, repeats=21,  # ms-long chunks: more repeats, same cost
+                budget_s=1800.0)
     args.contention = True
   for k, v in (quick if args.quick else full).items():
     if getattr(args, k) is None:
