@@ -47,8 +47,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
 CONFIG = os.path.join(ROOT, "experiments", "configs", "tiny_arith.py")
 MIX = "2:0.25,4:0.25,8:0.25,16:0.25"
-VARIANTS = {"baseline": (False, False), "static_drafter": (True, False),  # (SD, spot training)
-            "tlt": (True, True)}
+# (learned-drafter SD, spot training, history arms)
+VARIANTS = {"baseline": (False, False, False), "static_drafter": (True, False, False),
+            "tlt": (True, True, False), "history": (False, False, True)}
+HISTORY_ARMS = "history_chain2,history_chain4,history_chain8"
 
 
 def base_config(steps: int, workdir: str):
@@ -69,7 +71,9 @@ def base_config(steps: int, workdir: str):
 
 def variant_config(name: str, steps: int, workdir: str, drafter_dir: str):
   c = base_config(steps, workdir)
-  c.tlt.enabled, c.tlt.spot_training = VARIANTS[name]
+  c.tlt.enabled, c.tlt.spot_training, history = VARIANTS[name]
+  if history:
+    c.rollout.history_arms = HISTORY_ARMS
   if c.tlt.enabled:
     c.tlt.drafter_init = drafter_dir
   return c

@@ -221,10 +221,10 @@ class RolloutEngine:
     emit); free rows draft zeros."""
     tokens, gen = np.asarray(slots.out_tokens), np.asarray(slots.gen)
     drafts = np.zeros((len(row_sample), depth), np.int32)
-    for r, sid in enumerate(row_sample):
-      if sid is None:
-        continue
+    live = [(r, sid) for r, sid in enumerate(row_sample) if sid is not None]
+    for r, sid in live:  # every sibling's newest tokens first, then the drafts that read them
       self.history.extend(sid, tokens[r, :int(gen[r])])
+    for r, sid in live:
       chain = self.history.propose(sid, depth)
       drafts[r, :len(chain)] = chain
     return drafts
