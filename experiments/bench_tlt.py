@@ -74,6 +74,7 @@ def variant_config(name: str, steps: int, workdir: str, drafter_dir: str):
   c.tlt.enabled, c.tlt.spot_training, history = VARIANTS[name]
   if history:
     c.rollout.history_arms = HISTORY_ARMS
+    c.rollout.history_global_tokens = 4096
   if c.tlt.enabled:
     c.tlt.drafter_init = drafter_dir
   return c

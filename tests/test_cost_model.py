@@ -13,6 +13,7 @@ from tlt_jax.model.transformer import ModelConfig, Transformer, init_cache
 from tlt_jax.perf import cost_model as cm
 from tlt_jax.perf import hardware as hw_lib
 from tlt_jax.perf import predict
+from tlt_jax.rollout import tuner
 
 # Big enough that the weights (12 MB in f32) dominate a decode step's bytes at batch 1, small
 # enough to compile in seconds.
@@ -172,3 +173,16 @@ def test_plan_prints_the_predicted_breakdown():
     assert program in text
   assert "no hardware profile" in plan.format_prediction(
       predict.load_config(path.replace("qwen2_5_7b_8gpu", "tiny_arith")), "tiny_arith")
+
+
+def test_history_round_is_the_verify_alone_in_one_call():
+  # A history arm drafts on the host: no drafter forward, one program call per round.
+  cfg, stack = reproduce_published.QWEN2_5_7B, predict.tlt_jax_stack(8)
+  hist = predict.round_cost(cfg, tuner.history_arm(4), 4, 1024, 1, stack)
+  learned = predict.round_cost(cfg, tuner.Arm("chain4", 4), 4, 1024, 1, stack)
+  verify = cm.forward(cfg, 4, 5, 1024, tp=1)
+  assert hist.calls == predict.HISTORY_ROUND_CALLS
+  assert hist.flops == pytest.approx(verify.flops) and hist.bytes == pytest.approx(verify.bytes)
+  assert hist.flops < learned.flops and hist.bytes < learned.bytes
+  assert predict.adapted_accept(tuner.history_arm(4)) == predict.static_accept(
+      tuner.history_arm(4))
