@@ -186,16 +186,18 @@ class RolloutEngine:
       if chosen.is_history:
         drafts = self._history_drafts(slots, row_sample, chosen.depth)
         host_s = time.perf_counter() - t0
-        slots, emitted, rounds = program(self.pool.params, self.pool.draft_params, slots, seed,
-                                         drafts)
+        slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
+                                                     slots, seed, drafts)
       else:
-        slots, emitted, rounds = program(self.pool.params, self.pool.draft_params, slots, seed)
+        slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
+                                                     slots, seed)
       yield bucket, live  # dispatched, not waited for
       done = np.asarray(slots.done)
       dt = time.perf_counter() - t0
-      emitted, rounds = int(emitted), int(rounds)
+      emitted, rounds, row_rounds = int(emitted), int(rounds), int(row_rounds)
       self.target_tokens_processed += bucket * rounds * chosen.verify_tokens
-      self.tuner.update(bucket, chosen, emitted, dt, live)
+      # Mean rows active per round: a row that finished in round 2 of 8 is not charged 8.
+      self.tuner.update(bucket, chosen, emitted, dt, row_rounds / max(rounds, 1))
       self.trace.append(ChunkTrace(t0 - t_start, dt, bucket, live, chosen.name, emitted, rounds,
                                    host_s))
       chunks += 1
