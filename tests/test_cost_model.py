@@ -1,6 +1,7 @@
 """The cost model against XLA's own count, its roofline arithmetic by hand, and the reproduction
 script's output schema."""
 
+import dataclasses
 import os
 
 import jax
@@ -172,3 +173,83 @@ def test_plan_prints_the_predicted_breakdown():
     assert program in text
   assert "no hardware profile" in plan.format_prediction(
       predict.load_config(path.replace("qwen2_5_7b_8gpu", "tiny_arith")), "tiny_arith")
+
+
+# bench_step_costs end to end at a tiny shape (the 0.5B widths, one layer, a 1024-token
+# vocabulary, a 64-slot cache): the report's schema, and the cost model taking its times.
+STEP_COSTS_ARGS = ["--model", "qwen2_5_0_5b", "--layers", "1", "--vocab", "1024",
+                   "--buckets", "1", "2", "--arms", "chain2", "--context", "64", "--prompt", "8",
+                   "--chunk-steps", "2", "--train-rows", "2", "--train-seq", "32",
+                   "--drafter-rows", "2", "--drafter-row-len", "32", "--repeats", "2"]
+
+
+@pytest.fixture(scope="module")
+def step_costs_report(tmp_path_factory):
+  import json
+  import subprocess
+  import sys
+
+  out = tmp_path_factory.mktemp("step_costs")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-m", "experiments.bench_step_costs", *STEP_COSTS_ARGS,
+                         "--out-dir", str(out)], cwd=repo, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  printed = json.loads(proc.stdout)
+  path = out / f"step_costs_qwen2_5_0_5b_{jax.default_backend()}.json"
+  assert printed["written"] == str(path)
+  return printed, str(out)
+
+
+def test_bench_step_costs_report_schema(step_costs_report):
+  from tlt_jax.perf import measured
+
+  report, out_dir = step_costs_report
+  measured.validate(report)
+  assert report["model_config"]["hidden_size"] == 896 and report["reduced"]["layers"] == 1
+  assert report["model_config"]["num_layers"] == 1 and report["context"] == 64
+  assert report["skipped"] == []
+  keys = {r["key"] for r in report["programs"]}
+  assert keys == {"decode[1]", "decode[2]", "verify[chain2][1]", "verify[chain2][2]",
+                  "drafter forward[2]", "drafter train step", "policy train step"}
+  for row in report["programs"]:
+    assert row["seconds"] > 0 and row["model_seconds"] > 0 and row["gflop"] > 0
+    assert row["gbytes"] > 0 and row["bound"] in ("compute", "memory")
+    assert row["hbm_roofline_fraction"] == pytest.approx(
+        row["gbytes"] * 1e9 / hw_lib.profile(report["hardware_profile"]).hbm_bytes_per_s
+        / row["seconds"])
+  assert 0 < report["decode_bs1_hbm_roofline_fraction"]
+  assert len(measured.load_dir(out_dir)) == 1
+
+
+def test_predict_uses_measured_step_costs(step_costs_report):
+  """Measurement wins: at the measured shape on the measured profile, the long-tail predictor's
+  step costs are the bench's times; at another context or on another profile, the model's."""
+  from tlt_jax.perf import calibration, measured
+
+  report, out_dir = step_costs_report
+  costs = measured.load_dir(out_dir)
+  cfg = ModelConfig("qwen2", **{k: v for k, v in report["model_config"].items()
+                                if k != "tie_embeddings"},
+                    tie_embeddings=report["model_config"]["tie_embeddings"])
+  hw = calibration.profile(report["hardware_profile"])
+  pred = measured.predictor(hw, cfg, costs)
+  by_key = {r["key"]: r["seconds"] for r in report["programs"]}
+  stack = predict.tlt_jax_stack(report["chunk_steps"])
+  ctx = report["context"]
+  assert predict.plain_seconds(cfg, 2, ctx, 1, stack, hw, pred) == (by_key["decode[2]"],
+                                                                      "measured")
+  arm = predict.Strategy("chain2", 2, 0, 3)
+  assert predict.round_seconds(cfg, arm, 1, ctx, 1, stack, hw, pred) == (
+      by_key["verify[chain2][1]"], "measured")
+  fit = predict.tail_params(cfg, hw, tp=1, context=ctx, arm=arm, stack=stack, max_live=2,
+                            sd_threshold=2, pred=pred)
+  assert fit["measured_steps"] == 4 and fit["modelled_steps"] == 0
+  assert fit["plain_step_s"] == [by_key["decode[1]"], by_key["decode[2]"]]
+  # Another context, another profile, another model: the roofline model.
+  assert predict.plain_seconds(cfg, 2, ctx * 2, 1, stack, hw, pred)[1] == "model"
+  other_hw = measured.predictor(calibration.profile("h100_sxm"), cfg, costs)
+  assert predict.plain_seconds(cfg, 2, ctx, 1, stack, calibration.profile("h100_sxm"),
+                               other_hw)[1] == "model"
+  bigger = dataclasses.replace(cfg, num_layers=2)
+  assert measured.predictor(hw, bigger, costs).measurements == {}

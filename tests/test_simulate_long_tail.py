@@ -153,3 +153,60 @@ def test_same_seed_same_report():
                        sensitivity=False)
   assert a == b
   assert a[0]["configs"] != c[0]["configs"]
+
+
+# Measured step costs per bucket, and compute shared between devices (bench_tlt's host devices).
+TABLE = ((1, 1e-3, 2e-3), (2, 1.5e-3, 3e-3), (4, 2e-3, 4e-3))
+
+
+def test_bucket_table_costs_the_smallest_bucket_that_holds_the_live_rows():
+  p = dataclasses.replace(P, devices_per_group=1, samples_per_group=3, max_live=4,
+                          sd_threshold=4, bucket_step_s=TABLE)
+  assert p.step_s(3, False) == 2e-3 and p.step_s(1, True) == 2e-3 and p.step_s(2, False) == 1.5e-3
+  # Lengths 1, 2, 3 without SD: 1 step at 3 live rows (bucket 4), 1 at 2, 1 at 1.
+  r = sim.simulate_group(np.array([1, 2, 3]), p, None)
+  assert r.finish_s == pytest.approx(2e-3 + 1.5e-3 + 1e-3) and r.steps == 3
+
+
+def test_shared_compute_slows_the_tail_beside_the_drafter():
+  base = dataclasses.replace(P, devices_per_group=1, samples_per_group=2, max_live=4,
+                             sd_threshold=4, bucket_step_s=TABLE, drafter_step_device_s=0.01)
+  lengths = np.array([10, 10, 100, 100])  # group 0 finishes first; group 1 has 90 steps left
+  alone = sim.simulate_rollout(lengths, 2, base, None, drafter=True)
+  twice = tuple((b, 2 * x, 2 * y) for b, x, y in TABLE)
+  shared = dataclasses.replace(base, decoding_bucket_step_s=twice, contended_bucket_step_s=twice,
+                               contended_drafter_step_s=0.02)
+  no_drafter = sim.simulate_rollout(lengths, 2, shared, None)
+  with_drafter = sim.simulate_rollout(lengths, 2, shared, None, drafter=True)
+  # Both groups decode side by side for 10 steps at twice the cost, then group 1 alone (or
+  # beside the drafter, at twice the cost again) for 90 more.
+  assert alone["rollout_s"] == pytest.approx(100 * 1.5e-3)
+  assert no_drafter["rollout_s"] == pytest.approx(10 * 3e-3 + 90 * 1.5e-3)
+  tail = 90 * 3e-3
+  steps = math.ceil(tail / 0.02)
+  assert with_drafter["drafter_steps"] == steps
+  assert with_drafter["rollout_s"] == pytest.approx(10 * 3e-3 + tail
+                                                    + (steps - tail / 0.02) * 0.01)
+
+
+def test_simulator_with_measured_cpu_costs_reproduces_bench_tlt():
+  """Issue 23: the simulator, driven by step costs measured on this CPU
+  (step_costs_bench_tlt_cpu.json), bench_tlt's own response lengths (tlt_lengths.json, a replay
+  of its trajectory) and its measured accept lengths and train time, against bench_tlt's
+  measured end-to-end ratio (tlt.json). The tuner's arm per bucket is not recorded, so both arms'
+  round costs are simulated: each within 15%. Not fitted: no input is taken from the ratios."""
+  from experiments import simulate_bench_tlt
+
+  report = simulate_bench_tlt.build()
+  assert report["inputs"]["lengths"].endswith("{'reward_mean_by_step': True, "
+                                              "'response_len_max': True})")
+  measured = report["measured"]["speedup_end_to_end"]
+  for arm, sim_arm in report["simulated"].items():
+    assert sim_arm["contention"]
+    predicted = sim_arm["speedup_end_to_end"]
+    assert abs(predicted - measured) / measured <= simulate_bench_tlt.TOLERANCE, (arm, predicted,
+                                                                                  measured)
+  # The shared cores are why TLT is slower than the static drafter here (measured 0.83 vs 1.04):
+  # with compute shared the simulator orders them so too.
+  chain2 = report["simulated"]["chain2"]
+  assert chain2["speedup_end_to_end"] < chain2["speedup_static_end_to_end"]

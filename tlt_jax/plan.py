@@ -405,9 +405,13 @@ def format_prediction(c: ml_collections.ConfigDict, name: str, hardware: str = "
     return f"predicted step time: not available ({e})"
   lines = [f"predicted step time on {r['devices']} x {hw_name} ({r['groups']} rollout groups, "
            f"TP {r['tp']}), from the cost model (tlt_jax/perf/predict.py):",
-           f"  {'program':<26} {'ms per call':>12}  bound    what"]
+           f"  {'program':<26} {'ms per call':>12}  source    bound    what"]
   for x in r["breakdown"]:
-    lines.append(f"  {x['program']:<26} {x['seconds'] * 1e3:>12.3f}  {x['bound']:<8} {x['note']}")
+    lines.append(f"  {x['program']:<26} {x['seconds'] * 1e3:>12.3f}  {x['source']:<9} "
+                 f"{x['bound']:<8} {x['note']}")
+  m = r["measurements"]
+  lines.append(f"  measured programs used: {m['programs_measured']} ({m['files']}); the rest "
+               "from the roofline model")
   v = r["variants"]
   lines.append("  per RL step (simulated long tail): " + "; ".join(
       f"{k} rollout {v[k]['rollout_s']:.1f} s, step {v[k]['step_s']:.1f} s"

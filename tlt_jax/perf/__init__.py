@@ -5,4 +5,6 @@
 - `hardware`: the profiles (datasheet figures, one fitted figure each), `calibration`: the
   published points they are fitted to;
 - `predict`: the cost model driving `long_tail` for a tlt-jax config (and `plan`'s breakdown).
+- `measured`: bench_step_costs' measured program times, which win over the model at the same
+  program, shape and profile.
 """

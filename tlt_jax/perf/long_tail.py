@@ -102,6 +102,33 @@ class Params:
   tlt_accept_gain: float = 0.2
   min_drafter_steps: float = 1.0  # below this the adaptive drafter cannot adapt
   rollout_fraction: float = 0.85
+  # Measured step costs per bucket, ((bucket, plain step s, SD round s), ...) in increasing
+  # buckets: when given, a step with `live` rows costs the smallest bucket >= live (the engine
+  # runs bucket-shaped programs), replacing fixed_s + per_row_s * live and sd_overhead.
+  bucket_step_s: tuple[tuple[int, float, float], ...] = ()
+  # Devices that share compute (host devices of one CPU's cores): the same table measured while
+  # another group decodes beside it (`decoding_bucket_step_s`) and while the drafter trains on
+  # another device (`contended_bucket_step_s`, the drafter's step then taking
+  # `contended_drafter_step_s`). When given, every group pays the first until the first group
+  # finishes; from then on the others pay the second in a variant that trains the drafter there
+  # (else their own costs), and that variant's rollout waits at the barrier for the drafter step
+  # in flight (its rest at the uncontended speed). Exact for two groups (bench_tlt's), an
+  # approximation beyond (the others still decode beside each other after the first finish).
+  decoding_bucket_step_s: tuple[tuple[int, float, float], ...] = ()
+  contended_bucket_step_s: tuple[tuple[int, float, float], ...] = ()
+  contended_drafter_step_s: float = 0.0
+
+  def step_s(self, live: int, sd: bool, beside: str = "") -> float:
+    """One plain step (or SD round, `sd`) with `live` rows; `beside`: what shares the group's
+    compute ("decoding": another group, "drafter": the drafter's training; "" nothing)."""
+    table = {"decoding": self.decoding_bucket_step_s,
+             "drafter": self.contended_bucket_step_s}.get(beside) or self.bucket_step_s
+    if table:
+      for bucket, plain, sd_round in table:
+        if live <= bucket:
+          return sd_round if sd else plain
+      raise ValueError(f"{live} live rows exceed the largest bucket {self.bucket_step_s[-1][0]}")
+    return (self.fixed_s + self.per_row_s * live) * ((1.0 + self.sd_overhead) if sd else 1.0)
 
 
 def load_rollout(path: str = ROLLOUT_JSON) -> dict:
@@ -160,14 +187,17 @@ class GroupResult:
 
 
 def simulate_group(lengths: np.ndarray, p: Params, accept: float | None,
-                   trace: bool = False) -> GroupResult:
+                   trace: bool = False,
+                   phases: tuple[tuple[float, str], ...] = ((0.0, ""),)) -> GroupResult:
   """Continuous batching of one group's rows; `accept` None = no SD.
 
   Every live row advances at the same rate (1 token per step, or `accept` per SD round), so a
   row's finish is fixed in "progress" (tokens per live row since the start): admitted at
   progress P, it ends at P + length. A heap of those finishes gives the next event; between
   events the live count, hence the step cost, is constant. Steps are whole: the event step is
-  the first one at which the shortest row has all its tokens.
+  the first one at which the shortest row has all its tokens. `phases`: ((from_s, beside), ...)
+  in increasing time, what shares the group's compute from then on (`Params.step_s`); a run of
+  steps is cut where a phase begins.
   """
   lengths = [int(x) for x in lengths]
   heap = lengths[:p.max_live]
@@ -180,8 +210,12 @@ def simulate_group(lengths: np.ndarray, p: Params, accept: float | None,
     live = len(heap)
     sd = accept is not None and live <= p.sd_threshold
     rate = accept if sd else 1.0
-    step_s = (p.fixed_s + p.per_row_s * live) * ((1.0 + p.sd_overhead) if sd else 1.0)
+    now = [i for i, (start, _) in enumerate(phases) if start <= t]
+    phase = now[-1] if now else 0
+    step_s = p.step_s(live, sd, phases[phase][1])
     k = max(1, math.ceil((heap[0] - progress) / rate - 1e-9))
+    if phase + 1 < len(phases):
+      k = min(k, max(1, math.ceil((phases[phase + 1][0] - t) / step_s - 1e-9)))
     progress += k * rate
     t += k * step_s
     steps += k
@@ -199,23 +233,44 @@ def simulate_group(lengths: np.ndarray, p: Params, accept: float | None,
 
 
 def simulate_rollout(lengths: np.ndarray, devices: int, p: Params, accept: float | None,
-                     trace_group: int | None = None) -> dict:
-  """One rollout on `devices` devices: the batch split evenly (in order) over the groups."""
+                     trace_group: int | None = None, drafter: bool = False) -> dict:
+  """One rollout on `devices` devices: the batch split evenly (in order) over the groups.
+  `drafter`: the drafter trains on finished groups' devices (only changes anything when devices
+  share compute, `p.decoding_bucket_step_s` / `p.contended_bucket_step_s`: then a drafter step
+  starts the moment the first group finishes and the barrier waits for the one in flight)."""
   groups = devices // p.devices_per_group
   if groups < 1 or devices % p.devices_per_group:
     raise ValueError(f"{devices} devices do not split into groups of {p.devices_per_group}")
   if len(lengths) % groups:
     raise ValueError(f"{len(lengths)} samples do not split over {groups} groups")
-  res = [simulate_group(part, p, accept, trace=(g == trace_group))
-         for g, part in enumerate(np.split(np.asarray(lengths), groups))]
+  parts = np.split(np.asarray(lengths), groups)
+  shared = groups > 1 and bool(p.decoding_bucket_step_s or p.contended_bucket_step_s)
+  start = ((0.0, "decoding"),) if shared else ((0.0, ""),)
+  res = [simulate_group(part, p, accept, trace=(g == trace_group), phases=start)
+         for g, part in enumerate(parts)]
   finish = np.array([r.finish_s for r in res])
+  if shared:  # from the first finish on: the drafter's steps beside the others, or nothing
+    first = int(finish.argmin())
+    after = (float(finish[first]), "drafter" if drafter else "")
+    res = [r if g == first else simulate_group(part, p, accept, trace=(g == trace_group),
+                                               phases=start + (after,))
+           for g, (r, part) in enumerate(zip(res, parts))]
+    finish = np.array([r.finish_s for r in res])
+  shared = shared and drafter and p.contended_drafter_step_s > 0
   rollout_s = float(finish.max())  # the barrier: everyone waits for the slowest group
-  total = devices * rollout_s
   idle = float(p.devices_per_group * (rollout_s - finish).sum())
+  drafter_steps = idle / p.drafter_step_device_s
+  if shared:
+    # Steps run back to back from the first finish (one in flight at a time); at the barrier
+    # the step in flight finishes alone, at the uncontended speed.
+    done = (rollout_s - float(finish.min())) / p.contended_drafter_step_s
+    drafter_steps = float(math.ceil(done)) if done > 0 else 0.0
+    rollout_s += (drafter_steps - done) * p.drafter_step_device_s
+    idle = float(p.devices_per_group * (rollout_s - finish).sum())
+  total = devices * rollout_s
   tail = float(p.devices_per_group * sum(r.tail_s for r in res))
   out = dict(rollout_s=rollout_s, idle_device_s=idle, idle_fraction=idle / total if total else 0.0,
-             tail_fraction=tail / total if total else 0.0,
-             drafter_steps=idle / p.drafter_step_device_s,
+             tail_fraction=tail / total if total else 0.0, drafter_steps=drafter_steps,
              slowest_group=int(finish.argmax()), first_done_s=float(finish.min()))
   if trace_group is not None:
     out["trace"] = (res[trace_group].trace_t, res[trace_group].trace_live)
@@ -229,7 +284,7 @@ def simulate_step(lengths: np.ndarray, devices: int, p: Params,
           "sd_static": (p.accept_len, simulate_rollout(lengths, devices, p, p.accept_len,
                                                        trace_group))}
   boosted = p.accept_len * (1.0 + p.tlt_accept_gain)
-  tlt = simulate_rollout(lengths, devices, p, boosted, trace_group)
+  tlt = simulate_rollout(lengths, devices, p, boosted, trace_group, drafter=True)
   trained = tlt["drafter_steps"] >= p.min_drafter_steps
   runs["tlt"] = (boosted, tlt) if trained else runs["sd_static"]
   base_rollout = runs["baseline"][1]["rollout_s"]

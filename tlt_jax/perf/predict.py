@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tlt_jax.model.transformer import ModelConfig
-from tlt_jax.perf import calibration, long_tail
+from tlt_jax.perf import calibration, long_tail, measured
 from tlt_jax.perf import cost_model as cm
 from tlt_jax.perf.hardware import Hardware
 from tlt_jax.rollout.tuner import Arm, parse_arms
@@ -97,21 +97,46 @@ def round_cost(cfg: ModelConfig, arm: Arm | Strategy, rows: int, context: float,
   return verify + drafts + extend + cm.Cost(calls=stack.round_calls(d))
 
 
+def timed(pred: cm.Predictor | None, hw: Hardware, program: str, cost: cm.Cost,
+          cfg: ModelConfig, tp: int = 1, **shape) -> tuple[float, str]:
+  """(seconds, "measured" | "model"): a measured time of the same program at the same shape on
+  `hw` (`perf.measured`, held by `pred`) wins over the roofline model."""
+  if pred is None:
+    return cm.seconds(cost, hw), "model"
+  return pred.time(measured.key(program, cfg, tp=tp, **shape), cost)
+
+
+def plain_seconds(cfg, b, context, tp, stack, hw, pred=None) -> tuple[float, str]:
+  return timed(pred, hw, "decode", plain_cost(cfg, b, context, tp, stack), cfg, tp, bucket=b,
+               context=context)
+
+
+def round_seconds(cfg, arm, b, context, tp, stack, hw, pred=None) -> tuple[float, str]:
+  return timed(pred, hw, "verify", round_cost(cfg, arm, b, context, tp, stack), cfg, tp,
+               arm=arm.name, bucket=b, context=context)
+
+
 def tail_params(cfg: ModelConfig, hw: Hardware, *, tp: int, context: float, arm: Arm | Strategy,
-                stack: Stack, max_live: int, sd_threshold: int) -> dict:
+                stack: Stack, max_live: int, sd_threshold: int,
+                pred: cm.Predictor | None = None) -> dict:
   """cost(b) = fixed + per_row x b: least squares over b = 1, 2, 4, ... max_live of the
-  modelled plain step; sd_overhead: the mean over the tail's buckets (b <= sd_threshold) of
-  round / plain - 1, as `long_tail.fit_sd` takes it from measurements."""
+  plain step; sd_overhead: the mean over the tail's buckets (b <= sd_threshold) of
+  round / plain - 1, as `long_tail.fit_sd` takes it from measurements. Each step's time is the
+  model's, or a measurement of the same program and shape held by `pred` (`sources` says which)."""
   bs = [b for b in (2 ** i for i in range(16)) if b <= max_live]
-  plain = np.array([cm.seconds(plain_cost(cfg, b, context, tp, stack), hw) for b in bs])
+  plain_t = [plain_seconds(cfg, b, context, tp, stack, hw, pred) for b in bs]
+  plain = np.array([t for t, _ in plain_t])
   per_row, fixed = (np.polyfit(np.array(bs, np.float64), plain, 1) if len(bs) > 1
                     else (0.0, plain[0]))
   tail = [b for b in bs if b <= sd_threshold]
-  rounds = np.array([cm.seconds(round_cost(cfg, arm, b, context, tp, stack), hw) for b in tail])
+  rounds_t = [round_seconds(cfg, arm, b, context, tp, stack, hw, pred) for b in tail]
+  rounds = np.array([t for t, _ in rounds_t])
   ratio = rounds / plain[:len(tail)]
+  sources = [src for _, src in plain_t + rounds_t]
   return dict(fixed_s=float(fixed), per_row_s=float(max(per_row, 0.0)),
               sd_overhead=float(ratio.mean() - 1.0), batches=bs, plain_step_s=plain.tolist(),
-              tail_batches=tail, round_s=rounds.tolist())
+              tail_batches=tail, round_s=rounds.tolist(),
+              measured_steps=sources.count("measured"), modelled_steps=sources.count("model"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,15 +192,20 @@ def _job(c):
                     chunk_steps=r.chunk_steps)
 
 
-def breakdown(c, hw: Hardware, *, context: float, train_seq: int) -> list[dict]:
-  """Seconds per call of every program the run compiles, on `hw` (model, no measurements)."""
+def breakdown(c, hw: Hardware, *, context: float, train_seq: int,
+              pred: cm.Predictor | None = None) -> list[dict]:
+  """Seconds per call of every program the run compiles, on `hw`: the model's, or a measured
+  time of the same program at the same shape (`pred`, see `perf.measured`); `source` says
+  which."""
   mcfg, j = _job(c)
   stack = tlt_jax_stack(j["chunk_steps"])
   tp, rows = j["tp"], j["max_live"]
   out = []
 
-  def add(program, cost, note=""):
-    out.append(dict(program=program, seconds=cm.seconds(cost, hw), bound=cm.bound(cost, hw),
+  def add(program, cost, note="", key=None, **shape):
+    seconds, source = (timed(pred, hw, key, cost, mcfg, tp, **shape) if key
+                       else (cm.seconds(cost, hw), "model"))
+    out.append(dict(program=program, seconds=seconds, source=source, bound=cm.bound(cost, hw),
                     gflop=cost.flops / 1e9, gbytes=cm.Cost(bytes=cost.bytes).bytes / 1e9,
                     note=note))
 
@@ -183,33 +213,43 @@ def breakdown(c, hw: Hardware, *, context: float, train_seq: int) -> list[dict]:
       f"{rows} rows x {j['prompt']} tokens, one call")
   for b in j["buckets"]:
     add(f"decode[{b}]", plain_cost(mcfg, b, context, tp, stack),
-        f"one plain step, {context:g} slots attended; 1/{j['chunk_steps']} call")
+        f"one plain step, {context:g} slots attended; 1/{j['chunk_steps']} call",
+        key="decode", bucket=b, context=context)
   for a in j["arms"]:
     for b in j["buckets"]:
       if a.verify_tokens * b <= 1024:  # the tuner's memory bound (rollout/tuner.py)
         add(f"verify[{a.name}][{b}]", round_cost(mcfg, a, b, context, tp, stack),
-            "one SD round: drafts + verify + drafter catch-up")
+            "one SD round: drafts + verify + drafter catch-up", key="verify", arm=a.name,
+            bucket=b, context=context)
   add("drafter forward", cm.drafter_forward(mcfg, rows, 1, context, tp=tp,
                                             calls=stack.plain_calls),
       f"{rows} rows x 1 token (inside a decode chunk)")
   t = c.tlt
   add("drafter train step", cm.drafter_train_step(mcfg, t.rows, t.row_len,
                                                   devices=j["per_group"]),
-      f"{t.rows} x {t.row_len} tokens over a group's {j['per_group']} devices")
+      f"{t.rows} x {t.row_len} tokens over a group's {j['per_group']} devices",
+      key="drafter train step", rows=t.rows, row_len=t.row_len, devices=j["per_group"])
   add("policy train step", cm.train_step(mcfg, j["samples"], train_seq,
                                          lora_rank=c.lora.rank, devices=j["devices"],
                                          extra_forwards=1 + (1 if c.rl.kl_coef else 0)),
       f"{j['samples']} rows x {train_seq} tokens over {j['devices']} devices, LoRA rank "
-      f"{c.lora.rank}")
+      f"{c.lora.rank}", key="policy train step", rows=j["samples"], seq_len=train_seq,
+      lora_rank=c.lora.rank, devices=j["devices"],
+      extra_forwards=1 + (1 if c.rl.kl_coef else 0))
   drafter_bytes = (cm.layer_matmul_params(mcfg) + 2 * mcfg.hidden_size ** 2) * cm.itemsize(mcfg)
   add("weight sync", cm.weight_sync(drafter_bytes, j["per_group"]),
       "the drafter's weights to a group's devices (the engine serves the policy's own params)")
   return out
 
 
-def predict_config(c, name: str, hw: Hardware, *, seed: int = 0, trials: int = 4) -> dict:
-  """SD off / static SD / adaptive SD / TLT for config `c` on `hw`, from the cost model."""
+def predict_config(c, name: str, hw: Hardware, *, seed: int = 0, trials: int = 4,
+                   measurements: list[measured.StepCosts] | None = None) -> dict:
+  """SD off / static SD / adaptive SD / TLT for config `c` on `hw`, from the cost model, with
+  measured program times where `measurements` (default: every bench_step_costs report under
+  experiments/results) hold the same program at the same shape on `hw`."""
   mcfg, j = _job(c)
+  pred = measured.predictor(hw, mcfg, measured.load_dir() if measurements is None
+                            else measurements)
   base_p = long_tail.Params(fixed_s=1.0, per_row_s=0.0, accept_len=1.0, sd_overhead=0.0,
                             drafter_step_device_s=1.0)
   lengths_p = dataclasses.replace(base_p, max_tokens=min(base_p.max_tokens, j["max_new"]))
@@ -219,7 +259,7 @@ def predict_config(c, name: str, hw: Hardware, *, seed: int = 0, trials: int = 4
       np.random.default_rng(seed), 20000, lengths_p)))
   train_seq = int(j["prompt"] + mean_len)
   stack = tlt_jax_stack(j["chunk_steps"])
-  table = breakdown(c, hw, context=context, train_seq=train_seq)
+  table = breakdown(c, hw, context=context, train_seq=train_seq, pred=pred)
   by_name = {x["program"]: x["seconds"] for x in table}
   train_s = by_name["policy train step"]
   drafter_s = by_name["drafter train step"] * j["per_group"]
@@ -227,7 +267,7 @@ def predict_config(c, name: str, hw: Hardware, *, seed: int = 0, trials: int = 4
 
   def params(arm, accept):
     fit = tail_params(mcfg, hw, tp=j["tp"], context=context, arm=arm, stack=stack,
-                      max_live=j["max_live"], sd_threshold=threshold)
+                      max_live=j["max_live"], sd_threshold=threshold, pred=pred)
     return dataclasses.replace(
         lengths_p, fixed_s=fit["fixed_s"], per_row_s=fit["per_row_s"], accept_len=accept,
         sd_overhead=fit["sd_overhead"], drafter_step_device_s=drafter_s,
@@ -250,7 +290,7 @@ def predict_config(c, name: str, hw: Hardware, *, seed: int = 0, trials: int = 4
   tail_b = [b for b in j["buckets"] if b <= threshold]
 
   def tokens_per_s(arm, accept):
-    return np.mean([accept / cm.seconds(round_cost(mcfg, arm, b, context, j["tp"], stack), hw)
+    return np.mean([accept / round_seconds(mcfg, arm, b, context, j["tp"], stack, hw, pred)[0]
                     for b in tail_b])
 
   adaptive = max(j["arms"], key=lambda a: tokens_per_s(a, static_accept(a)))
@@ -289,7 +329,10 @@ def predict_config(c, name: str, hw: Hardware, *, seed: int = 0, trials: int = 4
       drafter_steps_possible=tlt_v["sd_static"]["drafter_steps"],
       accept_needed={f"{t:g}x": needed(t) for t in (1.7, 2.1)},
       accept_needed_arm=adaptive_tlt.name, variants=variants,
-      step_cost_fit={k: tlt_fit[k] for k in ("fixed_s", "per_row_s", "sd_overhead")},
+      step_cost_fit={k: tlt_fit[k] for k in ("fixed_s", "per_row_s", "sd_overhead",
+                                             "measured_steps", "modelled_steps")},
+      measurements=dict(files=pred.measurement_source or "none matching",
+                        programs_measured=sum(x["source"] == "measured" for x in table)),
       breakdown=table, assumptions=assumptions(c, hw, j, context, train_seq))
 
 
