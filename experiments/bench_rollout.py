@@ -8,12 +8,24 @@ plain decode and then lets the tuner pick among its arms (the reported `arm` is 
 after exploring). The long-tail part decodes one batch of 64 samples whose length budgets are
 heavy-tailed (Pareto, like reasoning RL responses) three ways: `static` (no compaction, no SD),
 `compaction`, and `compaction_sd` (compaction + the adaptive tuner).
+
+History arms (`rollout.history`: chains drafted on the host from text already produced, no
+drafter) run on their own engine (no learned drafter, so their rounds pay no drafter forward),
+side by side with the others in the same run: per batch size the best history arm as measured
+(`history`), on the same batch and seed as the other arms, its history cleared before each timed
+run (the untimed runs decoded the same tokens: they would be drafts that cannot miss). These
+batches are distinct random prompts with one sample each, so there are no siblings and no
+earlier responses to the same prompt: the case where a history drafter has least to draft from
+(`bench_history` measures GRPO-shaped groups and revisits). In the long tail,
+`compaction_history` is compaction with the tuner free over off and the history arms, having
+explored on other seeds, its history cleared before the timed run.
 Prints one JSON object and writes experiments/results/rollout.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -31,7 +43,8 @@ from tlt_jax.model.transformer import ModelConfig, Transformer
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.tuner import OFF, default_arms, tree_arm
+from tlt_jax.rollout.history import HistoryDrafter
+from tlt_jax.rollout.tuner import OFF, default_arms, history_arm, tree_arm
 from tlt_jax.tlt.drafter_trainer import train_on_sequences
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -39,6 +52,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TARGET = ModelConfig(arch="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768,
                      num_layers=8, num_heads=8, num_kv_heads=2, head_dim=32, qk_norm=True)
 PROMPT_LEN = 16
+HISTORY_DEPTHS = (2, 4, 8)
+HISTORY_GLOBAL_TOKENS = 4096  # as bench_tlt's history variant
 
 
 def build_target() -> Transformer:
@@ -61,6 +76,20 @@ def copy_bandwidth_gbs() -> float:
   return 5 * 2 * a.nbytes / (time.perf_counter() - start) / 1e9
 
 
+def fresh_history(engine: RolloutEngine) -> None:
+  engine.history = HistoryDrafter(global_tokens=HISTORY_GLOBAL_TOKENS)
+
+
+def measure(engine: RolloutEngine, batch: list[list[int]], arm: str) -> dict:
+  tps, trace = tokens_per_s(engine, batch, arm=arm)
+  rounds = [t for t in trace if t.arm == arm]
+  out = dict(tokens_per_s=tps, accept_len=sum(t.emitted for t in rounds) / max(
+      sum(t.live * t.rounds for t in rounds), 1))
+  if engine.history is not None and rounds and arm != OFF:
+    out["host_ms_per_round"] = 1e3 * sum(t.host_s for t in rounds) / len(rounds)
+  return out
+
+
 def tokens_per_s(engine: RolloutEngine, batch: list[list[int]], **kwargs) -> tuple[float, list]:
   engine.trace.clear()
   start = time.perf_counter()
@@ -78,6 +107,7 @@ def main() -> None:
   cache_dir = compile_cache.configure(None)
   print(f"[bench_rollout] compile cache: {cache_dir or 'off'}", file=sys.stderr)
   ops.set_numerics(args.numerics)
+  load_before = os.getloadavg()[0]
   rng = np.random.default_rng(0)
   new_tokens = 32 if args.quick else 96
   buckets = (1, 4, 16) if args.quick else BUCKETS
@@ -99,6 +129,10 @@ def main() -> None:
 
   engine = RolloutEngine(target, cfg, drafter)
   engine.pool.warm_up()
+  hist_engine = RolloutEngine(target, dataclasses.replace(
+      cfg, arms=(arms[0],) + tuple(history_arm(d) for d in HISTORY_DEPTHS)))
+  fresh_history(hist_engine)
+  hist_engine.pool.warm_up()
   per_bucket = []
   for b in buckets:
     batch = prompts(b, rng)
@@ -108,16 +142,28 @@ def main() -> None:
     for _ in range(2 if args.quick else 3):  # the tuner explores this bucket on warm programs
       engine.generate(prompts(b, rng))
     best = engine.tuner.best(b)
+    hist_allowed = [a for a in hist_engine.tuner.allowed[b] if a != OFF]
+    for arm in hist_allowed:
+      hist_engine.generate(batch, arm=arm)
     by_arm = {}
     for arm in allowed:
-      tps, trace = tokens_per_s(engine, batch, arm=arm)
-      rounds = [t for t in trace if t.arm == arm]
-      by_arm[arm] = dict(tokens_per_s=tps, accept_len=sum(t.emitted for t in rounds) / max(
-          sum(t.live * t.rounds for t in rounds), 1))
-    per_bucket.append(dict(batch_size=b, plain_tokens_per_s=by_arm[OFF]["tokens_per_s"],
+      by_arm[arm] = measure(engine, batch, arm)
+    for arm in hist_allowed:
+      fresh_history(hist_engine)
+      by_arm[arm] = measure(hist_engine, batch, arm)
+    plain = by_arm[OFF]["tokens_per_s"]
+    best_hist = max(hist_allowed, key=lambda a: by_arm[a]["tokens_per_s"])
+    per_bucket.append(dict(batch_size=b, plain_tokens_per_s=plain,
                            sd_tokens_per_s=by_arm[best]["tokens_per_s"],
-                           speedup=by_arm[best]["tokens_per_s"] / by_arm[OFF]["tokens_per_s"],
-                           accept_len=by_arm[best]["accept_len"], arm=best, arms=by_arm))
+                           speedup=by_arm[best]["tokens_per_s"] / plain,
+                           accept_len=by_arm[best]["accept_len"], arm=best,
+                           history=dict(arm=best_hist, accept_len=by_arm[best_hist]["accept_len"],
+                                        tokens_per_s=by_arm[best_hist]["tokens_per_s"],
+                                        speedup=by_arm[best_hist]["tokens_per_s"] / plain),
+                           arms=by_arm))
+    print(f"[bench_rollout] batch {b}: plain {plain:.0f} tok/s, {best} "
+          f"{by_arm[best]['tokens_per_s']:.0f}, {best_hist} "
+          f"{by_arm[best_hist]['tokens_per_s']:.0f}", file=sys.stderr)
 
   # One long-tail batch: 64 samples, Pareto length budgets (most short, a few at the cap).
   budgets = np.minimum(np.ceil(4 * (1 + rng.pareto(1.2, 64))), new_tokens).astype(int).tolist()
@@ -134,7 +180,16 @@ def main() -> None:
     long_tail[name] = time.perf_counter() - start
     if name == "compaction_sd":
       long_tail["trace"] = [dataclasses.asdict(t) for t in eng.trace]
+  for seed in (1, 2, 3):  # the tuner explores the history arms on other seeds' tokens
+    hist_engine.generate(tail_prompts, max_new_per_sample=budgets, seed=seed)
+  fresh_history(hist_engine)
+  hist_engine.trace.clear()
+  start = time.perf_counter()
+  hist_engine.generate(tail_prompts, max_new_per_sample=budgets)
+  long_tail["compaction_history"] = time.perf_counter() - start
+  long_tail["history_chunks_by_arm"] = dict(collections.Counter(t.arm for t in hist_engine.trace))
   long_tail["speedup"] = long_tail["static"] / long_tail["compaction_sd"]
+  long_tail["speedup_history"] = long_tail["static"] / long_tail["compaction_history"]
   long_tail["budgets"] = budgets
 
   params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(target, nnx.Param)))
@@ -154,6 +209,8 @@ def main() -> None:
       "platform": f"{jax.default_backend()} ({platform.machine()}, {os.cpu_count()} cores), "
                   f"jax {jax.__version__}",
       "quick": args.quick,
+      # other processes share these cores: the 1-minute load average at the start and the end
+      "load_average": [load_before, os.getloadavg()[0]],
   }
   os.makedirs(RESULTS_DIR, exist_ok=True)
   with open(os.path.join(RESULTS_DIR, "rollout_quick.json" if args.quick else "rollout.json"),

@@ -1,16 +1,22 @@
-"""TLT end to end on this CPU: RL steps with SD off, with a static warmed-up drafter, and with the
-drafter trained on idle devices during the tail (the same trajectory, bitwise, in all three).
+"""TLT end to end on this CPU: RL steps with SD off, with a static warmed-up drafter, with the
+drafter trained on idle devices during the tail, and with model-free history arms instead of a
+drafter (the same trajectory, bitwise, in all four).
 
     python -m experiments.bench_tlt [--quick] [--steps N] [--repeats 3]
-        [--order baseline,static_drafter,tlt] [--drafter DIR] [--out NAME.json]
+        [--order baseline,static_drafter,tlt,history] [--variants baseline,history]
+        [--drafter DIR] [--out NAME.json]
 
 Setup: the tiny_arith policy on a longer-tailed mix (more 8- and 16-digit problems, so the tail
 is where rollout time goes), two data-parallel rollout groups on two host devices, gumbel
 verification in batch-invariant numerics. The drafter is warmed up offline first
 (`tlt.warmup`, or `--drafter` names one already warmed) on rollouts of the initial policy;
 `static_drafter` serves it unchanged, `tlt` keeps training it on the devices of the group that
-finishes first and publishes new versions between steps. Step times exclude compilation (each
-variant warms its program pool before step 1).
+finishes first and publishes new versions between steps. `history` has no learned drafter: the
+tuner chooses between plain decoding and history chains (`rollout.history_arms`, drafted on the
+host from each prompt's siblings so far, its earlier responses and a global trie of recent
+responses; `rollout/history.py`). `--variants` runs a subset (no drafter warm-up without
+static_drafter or tlt). Step times exclude compilation (each variant warms its program pool
+before step 1).
 
 On 2 shared cores one run of a phase varies by 10-25%, so one run per variant cannot tell 1.5x
 from 1.7x. Each variant therefore runs `--repeats` times, every run in a fresh process, the
@@ -47,8 +53,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
 CONFIG = os.path.join(ROOT, "experiments", "configs", "tiny_arith.py")
 MIX = "2:0.25,4:0.25,8:0.25,16:0.25"
-VARIANTS = {"baseline": (False, False), "static_drafter": (True, False),  # (SD, spot training)
-            "tlt": (True, True)}
+# (learned-drafter SD, spot training, history arms)
+VARIANTS = {"baseline": (False, False, False), "static_drafter": (True, False, False),
+            "tlt": (True, True, False), "history": (False, False, True)}
+HISTORY_ARMS = "history_chain2,history_chain4,history_chain8"
 
 
 def base_config(steps: int, workdir: str):
@@ -69,7 +77,10 @@ def base_config(steps: int, workdir: str):
 
 def variant_config(name: str, steps: int, workdir: str, drafter_dir: str):
   c = base_config(steps, workdir)
-  c.tlt.enabled, c.tlt.spot_training = VARIANTS[name]
+  c.tlt.enabled, c.tlt.spot_training, history = VARIANTS[name]
+  if history:
+    c.rollout.history_arms = HISTORY_ARMS
+    c.rollout.history_global_tokens = 4096
   if c.tlt.enabled:
     c.tlt.drafter_init = drafter_dir
   return c
@@ -134,8 +145,11 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=0)
   parser.add_argument("--repeats", type=int, default=0,
                       help="runs of each variant (default 3, 1 with --quick); medians are reported")
-  parser.add_argument("--order", default=",".join(VARIANTS),
-                      help="the first repeat's order; each next repeat rotates it by one")
+  parser.add_argument("--variants", default=",".join(VARIANTS),
+                      help="the variants to run (baseline always among them)")
+  parser.add_argument("--order", default="",
+                      help="the first repeat's order (default: --variants'); each next repeat "
+                           "rotates it by one")
   parser.add_argument("--drafter", default="",
                       help="a warmed-up drafter directory (tlt.warmup --out) instead of "
                            "warming one")
@@ -154,22 +168,30 @@ def main() -> None:
     with open(os.path.join(args.workdir, "variant.json"), "w") as f:
       json.dump(measured, f)
     return
-  order = args.order.split(",")
-  if sorted(order) != sorted(VARIANTS):
-    parser.error(f"--order must list each of {','.join(VARIANTS)} once")
+  chosen = args.variants.split(",")
+  if "baseline" not in chosen or not set(chosen) <= set(VARIANTS) or len(set(chosen)) < len(
+      chosen):
+    parser.error(f"--variants must list baseline and others of {','.join(VARIANTS)} once each")
+  order = args.order.split(",") if args.order else chosen
+  if sorted(order) != sorted(chosen):
+    parser.error(f"--order must list each of {','.join(chosen)} once")
+  learned = any(VARIANTS[n][0] for n in chosen)
+  load_before = os.getloadavg()
   repeats = args.repeats or (1 if args.quick else 3)
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
     drafter_dir = args.drafter
-    if not drafter_dir:
+    warm = {}
+    if learned and not drafter_dir:
       drafter_dir = os.path.join(tmp, "drafter")
       # 24 batches (768 samples): with 6 the drafter memorized its data (top-1 agreement 0.98
       # on it, 0.76 on fresh rollouts); 1500 steps is about 4 epochs of it.
       warmup(base_config(steps, os.path.join(tmp, "warmup")),
              rollouts=2 if args.quick else 24, steps=60 if args.quick else 1500, out=drafter_dir)
-    with open(os.path.join(drafter_dir, "warmup.json")) as f:
-      warm = json.load(f)
-    runs = {name: [] for name in VARIANTS}
+    if learned:
+      with open(os.path.join(drafter_dir, "warmup.json")) as f:
+        warm = json.load(f)
+    runs = {name: [] for name in chosen}
     orders = []
     for r in range(repeats):
       # A Latin square over the repeats: each variant runs first, middle and last once, so a
@@ -182,25 +204,41 @@ def main() -> None:
         runs[name].append(run_child(name, steps, drafter_dir, workdir))
   trajectories = [run["reward_mean_by_step"] for rs in runs.values() for run in rs]
   variants = {name: aggregate(rs) for name, rs in runs.items()}
-  base, tlt = variants["baseline"], variants["tlt"]
-  paired = [b["step_s_total"] / t["step_s_total"] for b, t in zip(runs["baseline"], runs["tlt"])]
+  base = variants["baseline"]
+  paired = lambda name: [b["step_s_total"] / t["step_s_total"]
+                         for b, t in zip(runs["baseline"], runs[name])]
+  speedups = {}
+  if "tlt" in variants:  # the learned drafter, spot-trained
+    tlt = variants["tlt"]
+    speedups.update(speedup_end_to_end=base["step_s_total"] / tlt["step_s_total"],
+                    speedup_rollout=base["rollout_s_total"] / tlt["rollout_s_total"],
+                    speedup_end_to_end_by_repeat=paired("tlt"))
+  if "static_drafter" in variants:
+    speedups["speedup_static_end_to_end"] = (base["step_s_total"]
+                                             / variants["static_drafter"]["step_s_total"])
+  if "history" in variants:  # history arms only (no learned drafter), the tuner free
+    hist = variants["history"]
+    speedups.update(speedup_end_to_end_history=base["step_s_total"] / hist["step_s_total"],
+                    speedup_rollout_history=base["rollout_s_total"] / hist["rollout_s_total"],
+                    speedup_end_to_end_history_by_repeat=paired("history"),
+                    sd_chunk_fraction_history_by_step=[
+                        [s["sd_chunk_fraction"] for s in run["per_step"]]
+                        for run in runs["history"]])
   result = {
       "machine": f"{platform.machine()} {os.cpu_count()} cpus, 2 host devices",
       "config": "tiny_arith, mix " + MIX + ", 8 prompts x 4 samples, 2 rollout groups",
       "steps": steps,
       "repeats": repeats,
       "orders": orders,
-      "warmup": {k: warm[k] for k in ("examples", "tokens", "steps", "final", "seconds")},
+      "history_arms": HISTORY_ARMS,
+      "warmup": {k: warm[k] for k in ("examples", "tokens", "steps", "final", "seconds")
+                 if k in warm},
       "variants": variants,
       "same_trajectory": all(t == trajectories[0] for t in trajectories),
-      # Medians over the repeats (each run a fresh process).
-      "speedup_end_to_end": base["step_s_total"] / tlt["step_s_total"],
-      "speedup_static_end_to_end": (base["step_s_total"]
-                                    / variants["static_drafter"]["step_s_total"]),
-      "speedup_rollout": base["rollout_s_total"] / tlt["rollout_s_total"],
+      # Medians over the repeats (each run a fresh process); *_by_repeat: baseline / variant
+      # within each repeat (the two ran minutes apart), the spread of the figure.
+      **speedups,
       "speedup_train_equalized": train_equalized(variants),
-      # baseline / tlt within each repeat (the two ran minutes apart): the spread of the figure.
-      "speedup_end_to_end_by_repeat": paired,
       # Amdahl: the baseline's share of step time spent in rollout, and the end-to-end speedup
       # even an infinitely fast rollout could give with this trainer on this machine.
       "rollout_share_baseline": base["rollout_s_total"] / base["step_s_total"],
@@ -209,6 +247,8 @@ def main() -> None:
       "accept_len_by_step": {name: [[s["accept_len"] for s in run["per_step"]] for run in rs]
                              for name, rs in runs.items()},
       "seconds": time.perf_counter() - start,
+      # other processes share these 2 cores: the 1-minute load average before and after
+      "load_average": [load_before[0], os.getloadavg()[0]],
   }
   os.makedirs(RESULTS_DIR, exist_ok=True)
   path = os.path.join(RESULTS_DIR, args.out or ("tlt_quick.json" if args.quick else "tlt.json"))

@@ -55,10 +55,12 @@ BAD_VALUES = [
     ("rollout.temperature", -0.5), ("rollout.buckets", (16, 4)), ("checkpoint.keep", 0),
     ("data.on_error", "ignore"), ("tlt.fixed_arm", "chain3"), ("model.dtype", "float16"),
     ("rl.reward_worker_kind", "fork"), ("rl.dapo_max_rollouts", 0),
+    ("rollout.history_arms", "chain2"), ("rollout.history_arms", "history_chain0"),
+    ("rollout.history_global_tokens", -1),
 ]
 
 
-@pytest.mark.parametrize("key,value", BAD_VALUES, ids=[k for k, _ in BAD_VALUES])
+@pytest.mark.parametrize("key,value", BAD_VALUES, ids=[f"{k}={v}" for k, v in BAD_VALUES])
 def test_a_bad_config_value_is_named_by_validate(key, value):
   c = _smoke()
   config_lib.validate(c)  # the config as shipped is fine: the value below is what breaks it

@@ -14,6 +14,7 @@ from tlt_jax.model.transformer import ModelConfig, Transformer, init_cache
 from tlt_jax.perf import cost_model as cm
 from tlt_jax.perf import hardware as hw_lib
 from tlt_jax.perf import predict
+from tlt_jax.rollout import tuner
 
 # Big enough that the weights (12 MB in f32) dominate a decode step's bytes at batch 1, small
 # enough to compile in seconds.
@@ -253,3 +254,16 @@ def test_predict_uses_measured_step_costs(step_costs_report):
                                other_hw)[1] == "model"
   bigger = dataclasses.replace(cfg, num_layers=2)
   assert measured.predictor(hw, bigger, costs).measurements == {}
+
+
+def test_history_round_is_the_verify_alone_in_one_call():
+  # A history arm drafts on the host: no drafter forward, one program call per round.
+  cfg, stack = reproduce_published.QWEN2_5_7B, predict.tlt_jax_stack(8)
+  hist = predict.round_cost(cfg, tuner.history_arm(4), 4, 1024, 1, stack)
+  learned = predict.round_cost(cfg, tuner.Arm("chain4", 4), 4, 1024, 1, stack)
+  verify = cm.forward(cfg, 4, 5, 1024, tp=1)
+  assert hist.calls == predict.HISTORY_ROUND_CALLS
+  assert hist.flops == pytest.approx(verify.flops) and hist.bytes == pytest.approx(verify.bytes)
+  assert hist.flops < learned.flops and hist.bytes < learned.bytes
+  assert predict.adapted_accept(tuner.history_arm(4)) == predict.static_accept(
+      tuner.history_arm(4))

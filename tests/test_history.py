@@ -141,3 +141,15 @@ def test_bounded_memory_evicts_the_oldest_responses_and_groups():
   assert tuple(prompt) not in drafter.groups and set(drafter.groups) == {(6,), (3,)}
   drafter.begin(12, [4])  # every group busy: none is dropped under a live sample
   assert set(drafter.groups) == {(6,), (3,), (4,)}
+
+
+def test_the_global_trie_drafts_where_it_matches_a_longer_suffix_than_the_group():
+  drafter = HistoryDrafter(max_order=4, global_tokens=64)
+  drafter.begin(0, [9])
+  drafter.finish(0, [1, 2, 3, 4, 5])  # another prompt's response: "1 2 3" -> 4 5
+  drafter.begin(1, [3, 7])  # this group's text continues "3" with 7 (a match of 1)
+  drafter.extend(1, [1, 2, 3])
+  assert drafter.propose(1, 2) == [4, 5] and drafter.stats.from_global == 1
+  drafter.begin(2, [3, 7])
+  drafter.extend(2, [8, 3])  # "8 3" occurs nowhere, "3" only in the group: the group drafts
+  assert drafter.propose(2, 1) == [7] and drafter.stats.from_global == 1

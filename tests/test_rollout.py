@@ -161,7 +161,7 @@ def test_plain_chunks_bring_the_drafter_cache_up_to_date():
                           jnp.arange(B, dtype=jnp.int32),
                           jnp.array([10, 4, 10, 7], jnp.int32), jnp.int32(0))
     for _ in range(3):  # chunks of 3 steps; rows 1 and 3 finish (max_new) inside a chunk
-      s, _, _ = steps_lib.decode_chunk(target, draft, cfg, Arm(OFF), s, jnp.int32(0))
+      s, *_ = steps_lib.decode_chunk(target, draft, cfg, Arm(OFF), s, jnp.int32(0))
     return s
 
   with ops.numerics_mode("batch_invariant"):
@@ -202,7 +202,7 @@ def test_history_rounds_keep_the_drafter_cache_up_to_date():
                           jnp.arange(B, dtype=jnp.int32),
                           jnp.array([10, 4, 10, 7], jnp.int32), jnp.int32(0))
     for i in range(12):  # at least one token per round: every row reaches its budget
-      s, _, _ = steps_lib.history_round(target, draft, cfg, s, jnp.int32(0), drafts[i])
+      s, *_ = steps_lib.history_round(target, draft, cfg, s, jnp.int32(0), drafts[i])
     return s
 
   with ops.numerics_mode("batch_invariant"):

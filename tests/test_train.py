@@ -120,6 +120,22 @@ def test_tlt_changes_nothing_but_time(plain_run, tmp_path):
   _assert_same_adapter(_adapter(off_dir), _adapter(tmp_path / "on"))
 
 
+def test_history_arms_change_nothing_but_time(plain_run, tmp_path):
+  """History chains (rollout.history_arms, no learned drafter, tlt off) drafted from each group's
+  siblings and a global trie, across two rollout groups: the run without them, bitwise."""
+  off_dir, _ = plain_run
+  c = _short_config(tmp_path / "hist", 2)
+  c.rollout.groups = 2
+  c.rollout.history_arms, c.rollout.history_global_tokens = "history_chain2,history_chain4", 256
+  on = train.run(c)
+  assert not on["tlt"]
+  records = metrics.read_jsonl(str(tmp_path / "hist" / "metrics.jsonl"))
+  assert max(r.get("sd_chunk_fraction", 0.0) for r in records) > 0.0  # history rounds ran
+  drop = TIMING | TLT_ONLY
+  assert _rows(off_dir, drop) == _rows(tmp_path / "hist", drop)
+  _assert_same_adapter(_adapter(off_dir), _adapter(tmp_path / "hist"))
+
+
 def test_resume_is_bitwise(plain_run, tmp_path, _on_two_devices):
   """2 steps straight == 1 step, stop, resume, 1 step: the same data order, rewards, losses,
   statistics, adapter, and final checkpoint leaf by leaf."""

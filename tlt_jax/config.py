@@ -66,7 +66,15 @@ def default_config() -> ml_collections.ConfigDict:
       tensor_parallel=False,
       # end a sample when its decoded text contains one of these (checked against the
       # tokenizer and the chat template's end marker when the run starts)
-      stop_strings=()))
+      stop_strings=(),
+      # model-free SD arms (rollout/history.py): chains drafted on the host from the prompt, the
+      # group's siblings so far and earlier responses to the same prompt, e.g.
+      # "history_chain4,history_chain8"; offered to the tuner beside off (and tlt.arms when
+      # tlt.enabled), with or without a learned drafter. "" = none
+      history_arms="",
+      # also draft from a global suffix trie over this many recent response tokens of every
+      # prompt (when the group's own text matches nothing); 0 = the group's text only
+      history_global_tokens=0))
   c.tlt = ml_collections.ConfigDict(dict(
       enabled=False,  # speculative decoding with the tuner and an EAGLE drafter
       arms="chain2,chain4",  # SD arms the tuner may pick, besides off (chainN, treeD_K_V)
@@ -200,6 +208,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
     problems.append(f"rollout.stop_strings={stops!r} must be a tuple of non-empty strings")
   problems += _arm_problems(c.tlt)
+  problems += _history_problems(c.rollout)
   problems += _run_problems(c)
   if c.tlt.drafter_numerics not in ("xla", "policy"):
     problems.append(f"tlt.drafter_numerics={c.tlt.drafter_numerics!r} must be 'xla' or 'policy'")
@@ -284,6 +293,21 @@ def _arm_problems(t: ml_collections.ConfigDict) -> list[str]:
     return [f"tlt.fixed_arm={t.fixed_arm!r} is not one of the arms {sorted(names)} "
             f"(tlt.arms={t.arms!r})"]
   return []
+
+
+def _history_problems(r: ml_collections.ConfigDict) -> list[str]:
+  """rollout.history_arms must name history chains only (learned arms go in tlt.arms)."""
+  try:
+    arms = [a for a in tuner.parse_arms(r.history_arms) if a.depth]
+  except ValueError as e:
+    return [f"rollout.history_arms={r.history_arms!r}: {e}"]
+  problems = [f"rollout.history_arms={r.history_arms!r}: {a.name!r} is not a history arm "
+              "(history_chainN; learned-drafter arms go in tlt.arms)"
+              for a in arms if not a.is_history]
+  if r.history_global_tokens < 0:
+    problems.append(f"rollout.history_global_tokens={r.history_global_tokens} must be >= 0 "
+                    "(0 = no global trie)")
+  return problems
 
 
 def model_config(c: ml_collections.ConfigDict) -> ModelConfig:

@@ -29,9 +29,8 @@ from tlt_jax.model import hf, lora
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.rl.scoring import RewardScorer, RewardSpec
 from tlt_jax.rl.trainer import TrainConfig, Trainer
-from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.config import EngineConfig, config_arms
 from tlt_jax.rollout.groups import GroupedRollout
-from tlt_jax.rollout.tuner import OFF, Arm, parse_arms
 from tlt_jax.tlt.buffer import DrafterBuffer
 from tlt_jax.tlt.drafter_trainer import DrafterLossConfig, load_drafter
 from tlt_jax.tlt.spot import SpotConfig, SpotTrainer
@@ -92,7 +91,9 @@ def train_mesh(c) -> jax.sharding.Mesh:
 
 def build_rollout(c, model, eos_ids, drafter=None, detokenize=None) -> GroupedRollout:
   """The rollout engines of the config: `rollout.groups` data-parallel groups over the local
-  devices, with the tuner's SD arms when a drafter is given (plain decode otherwise).
+  devices, with the tuner's SD arms when a drafter is given (plain decode otherwise) and the
+  history arms of `rollout.history_arms` (each group keeps its own history: a prompt's siblings
+  decode in one group, so their text never crosses devices or hosts).
   `detokenize` (token ids -> text) is what `rollout.stop_strings` are matched against."""
   devices = mesh_lib.run_devices(local=True)
   if not 1 <= c.rollout.groups <= len(devices):
@@ -100,12 +101,13 @@ def build_rollout(c, model, eos_ids, drafter=None, detokenize=None) -> GroupedRo
         f"rollout.groups={c.rollout.groups} must be 1..{len(devices)}: each group needs a "
         f"device and this process has {len(devices)} {devices[0].platform} device(s) (host "
         "devices instead: start with JAX_PLATFORMS=cpu; the CLI asks XLA for enough of them)")
-  arms = parse_arms(c.tlt.arms) if drafter is not None else (Arm(OFF),)
+  arms = config_arms(c, learned=drafter is not None)
   if drafter is not None and c.tlt.fixed_arm and c.tlt.fixed_arm not in {a.name for a in arms}:
     raise ValueError(f"tlt.fixed_arm={c.tlt.fixed_arm!r} is not one of tlt.arms={c.tlt.arms!r}")
   groups = [list(g) for g in np.array_split(np.array(devices, dtype=object), c.rollout.groups)]
   return GroupedRollout(model, EngineConfig.from_config(c, eos_ids, arms), groups, drafter,
-                        tensor_parallel=c.rollout.tensor_parallel, detokenize=detokenize)
+                        tensor_parallel=c.rollout.tensor_parallel, detokenize=detokenize,
+                        history_global_tokens=c.rollout.history_global_tokens)
 
 
 def spot_config(c, *, online: bool = True) -> SpotConfig:

@@ -86,7 +86,15 @@ def round_cost(cfg: ModelConfig, arm: Arm | Strategy, rows: int, context: float,
   """One SD round: the drafter's forwards per draft level (top-k tokens per row for a tree, one
   for a chain; depth - 1 of them where the extend's output is the first level), the target's
   verify of arm.verify_tokens per row, and the drafter's extend over the accepted tokens
-  (default depth + 1, the most a round accepts on a path)."""
+  (default depth + 1, the most a round accepts on a path).
+
+  A history arm (`rollout.history`, drafted on the host) runs no drafter forward: its round is
+  the verify alone, but it is one program call per round (the next drafts continue the tokens
+  this round accepts, which only the device knows), not 1/chunk_steps of one; its host drafting
+  (~10 us per row, bench_history) is left out."""
+  if getattr(arm, "is_history", False):
+    return (cm.forward(cfg, rows, arm.verify_tokens, context, tp=tp, calls=0.0)
+            + cm.Cost(calls=HISTORY_ROUND_CALLS))
   d, width = arm.depth, max(arm.topk, 1)
   kw = dict(tp=tp, eagle3=stack.eagle3, draft_vocab=stack.draft_vocab, calls=0.0)
   levels = d - 1 if stack.extend_is_first_draft else d
@@ -114,6 +122,9 @@ def plain_seconds(cfg, b, context, tp, stack, hw, pred=None) -> tuple[float, str
 def round_seconds(cfg, arm, b, context, tp, stack, hw, pred=None) -> tuple[float, str]:
   return timed(pred, hw, "verify", round_cost(cfg, arm, b, context, tp, stack), cfg, tp,
                arm=arm.name, bucket=b, context=context)
+
+
+HISTORY_ROUND_CALLS = 1.0  # rollout/engine.py: one history_round program per host round trip
 
 
 def tail_params(cfg: ModelConfig, hw: Hardware, *, tp: int, context: float, arm: Arm | Strategy,
@@ -163,13 +174,27 @@ HARDWARE_OF = {"qwen2_5_7b_8gpu": "h100_sxm", "qwen2_5_32b_multihost": "h100_sxm
                "r1_distill_qwen_7b_v5p64": "tpu_v5p"}
 
 
+# History chains (model-free): tokens per round measured by replaying 24 GRPO groups (8 prompts x
+# 4 samples, 3 steps) of the tiny arithmetic policy through `HistoryDrafter` with a 4096-token
+# global trie, rows advancing in lockstep as in one bucket. An assumption anywhere else: no
+# published accept lengths of Seer / SuffixDecoding fit this drafter as configured here.
+HISTORY_ACCEPT = {"history_chain2": 1.88, "history_chain4": 2.17, "history_chain8": 2.36}
+ACCEPT_SOURCES["history"] = ("history_chain2/4/8 1.88/2.17/2.36: replay of tiny_arith GRPO "
+                             "groups through rollout.history (this repo); spot training does not "
+                             "change them")
+
+
 def static_accept(arm: Arm) -> float:
+  if arm.is_history:
+    return HISTORY_ACCEPT.get(arm.name, min(HISTORY_ACCEPT["history_chain8"], arm.depth + 1.0))
   if arm.is_tree:
     return min(ADAPTED_TREE_ACCEPT / (1 + TLT_ACCEPT_GAIN), arm.depth + 1.0)
   return STATIC_ACCEPT.get(arm.name, min(1.0 + 0.3 * arm.depth, arm.depth + 1.0))
 
 
 def adapted_accept(arm: Arm) -> float:
+  if arm.is_history:  # the drafter trained on idle devices does not draft for these arms
+    return static_accept(arm)
   return min(static_accept(arm) * (1 + TLT_ACCEPT_GAIN), arm.depth + 1.0)
 
 
@@ -185,7 +210,9 @@ def _job(c):
   tp = per_group if r.tensor_parallel else 1
   samples = r.prompts_per_step * r.group_size
   arms = [a for a in parse_arms(c.tlt.arms) if a.depth]
-  return mcfg, dict(groups=groups, devices=devices, per_group=per_group, tp=tp,
+  history = [a for a in parse_arms(c.rollout.history_arms) if a.depth]
+  return mcfg, dict(history_arms=history, groups=groups, devices=devices, per_group=per_group,
+                    tp=tp,
                     samples=samples, samples_per_group=samples // groups,
                     max_live=max(r.buckets), buckets=tuple(r.buckets), arms=arms,
                     prompt=r.max_prompt_len, max_new=r.max_new_tokens,
@@ -215,11 +242,12 @@ def breakdown(c, hw: Hardware, *, context: float, train_seq: int,
     add(f"decode[{b}]", plain_cost(mcfg, b, context, tp, stack),
         f"one plain step, {context:g} slots attended; 1/{j['chunk_steps']} call",
         key="decode", bucket=b, context=context)
-  for a in j["arms"]:
+  for a in j["arms"] + j["history_arms"]:
     for b in j["buckets"]:
       if a.verify_tokens * b <= 1024:  # the tuner's memory bound (rollout/tuner.py)
         add(f"verify[{a.name}][{b}]", round_cost(mcfg, a, b, context, tp, stack),
-            "one SD round: drafts + verify + drafter catch-up", key="verify", arm=a.name,
+            "one history round: verify of host-drafted tokens, one call" if a.is_history
+            else "one SD round: drafts + verify + drafter catch-up", key="verify", arm=a.name,
             bucket=b, context=context)
   add("drafter forward", cm.drafter_forward(mcfg, rows, 1, context, tp=tp,
                                             calls=stack.plain_calls),

@@ -14,7 +14,7 @@ import ml_collections
 from pallas_kernels.common import round_up
 from tlt_jax import ops
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.tuner import Arm, default_arms
+from tlt_jax.rollout.tuner import OFF, Arm, default_arms, parse_arms
 
 VERIFICATION_MODES = ("gumbel", "rejection")
 DRAFTER_NUMERICS = ("xla", "policy")
@@ -80,3 +80,11 @@ class EngineConfig:
       window = max(window, self.chunk_steps)
     return round_up(self.max_prompt_len + self.max_new_tokens + window,
                     ops.kv_cache_multiple())
+
+
+def config_arms(c: ml_collections.ConfigDict, learned: bool) -> tuple[Arm, ...]:
+  """The decoding strategies of a run config: off, `tlt.arms` when a learned drafter serves
+  (`learned`), and `rollout.history_arms` (model-free: no drafter needed)."""
+  arms = parse_arms(c.tlt.arms) if learned else (Arm(OFF),)
+  names = {a.name for a in arms}
+  return arms + tuple(a for a in parse_arms(c.rollout.history_arms)[1:] if a.name not in names)

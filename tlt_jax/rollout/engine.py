@@ -186,16 +186,18 @@ class RolloutEngine:
       if chosen.is_history:
         drafts = self._history_drafts(slots, row_sample, chosen.depth)
         host_s = time.perf_counter() - t0
-        slots, emitted, rounds = program(self.pool.params, self.pool.draft_params, slots, seed,
-                                         drafts)
+        slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
+                                                     slots, seed, drafts)
       else:
-        slots, emitted, rounds = program(self.pool.params, self.pool.draft_params, slots, seed)
+        slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
+                                                     slots, seed)
       yield bucket, live  # dispatched, not waited for
       done = np.asarray(slots.done)
       dt = time.perf_counter() - t0
-      emitted, rounds = int(emitted), int(rounds)
+      emitted, rounds, row_rounds = int(emitted), int(rounds), int(row_rounds)
       self.target_tokens_processed += bucket * rounds * chosen.verify_tokens
-      self.tuner.update(bucket, chosen, emitted, dt, live)
+      # Mean rows active per round: a row that finished in round 2 of 8 is not charged 8.
+      self.tuner.update(bucket, chosen, emitted, dt, row_rounds / max(rounds, 1))
       self.trace.append(ChunkTrace(t0 - t_start, dt, bucket, live, chosen.name, emitted, rounds,
                                    host_s))
       chunks += 1
@@ -221,10 +223,10 @@ class RolloutEngine:
     emit); free rows draft zeros."""
     tokens, gen = np.asarray(slots.out_tokens), np.asarray(slots.gen)
     drafts = np.zeros((len(row_sample), depth), np.int32)
-    for r, sid in enumerate(row_sample):
-      if sid is None:
-        continue
+    live = [(r, sid) for r, sid in enumerate(row_sample) if sid is not None]
+    for r, sid in live:  # every sibling's newest tokens first, then the drafts that read them
       self.history.extend(sid, tokens[r, :int(gen[r])])
+    for r, sid in live:
       chain = self.history.propose(sid, depth)
       drafts[r, :len(chain)] = chain
     return drafts

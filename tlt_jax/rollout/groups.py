@@ -26,6 +26,7 @@ from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import Transformer
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.engine import RolloutEngine, Sample
+from tlt_jax.rollout.history import HistoryDrafter
 from tlt_jax.rollout.tuner import OFF
 
 if TYPE_CHECKING:  # an annotation only: `generate` steps the trainer it is handed
@@ -51,15 +52,21 @@ class GroupedRollout:
 
   def __init__(self, target: Transformer, cfg: EngineConfig,
                device_groups: Sequence[Sequence[jax.Device]], drafter: Drafter | None = None,
-               detokenize: Callable | None = None, tensor_parallel: bool = False):
+               detokenize: Callable | None = None, tensor_parallel: bool = False,
+               history_global_tokens: int = 0):
     """tensor_parallel: each group's devices split the model (`programs.ProgramPool`) instead of
-    each holding all of it."""
+    each holding all of it. With history arms each engine keeps its own `HistoryDrafter` (the
+    groups it decodes, their earlier responses and, with history_global_tokens, a global trie
+    over its recent responses): host state where the group decodes, nothing shared per token."""
     flat = [d for g in device_groups for d in g]
     if len(set(flat)) != len(flat) or not device_groups or any(len(g) == 0 for g in device_groups):
       raise ValueError("device groups must be non-empty and disjoint")
     self.device_groups = [tuple(g) for g in device_groups]
+    with_history = any(a.is_history for a in cfg.arms)
     self.engines = [RolloutEngine(target, cfg, drafter, detokenize=detokenize,
-                                  placement=group_sharding(g), tensor_parallel=tensor_parallel)
+                                  placement=group_sharding(g), tensor_parallel=tensor_parallel,
+                                  history=(HistoryDrafter(global_tokens=history_global_tokens)
+                                           if with_history else None))
                     for g in self.device_groups]
     self.drafter_version = 0
     self.last_report: RolloutReport | None = None

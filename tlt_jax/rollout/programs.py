@@ -177,14 +177,14 @@ class ProgramPool:
           target, drafter = self._models(params, draft_params)
           return steps.history_round(target, drafter, cfg, s, seed, drafts)
         drafts = jax.ShapeDtypeStruct((bucket, arm.depth), jnp.int32)
-        program = self._jit(fn, (*models, slots_specs, P(), P()), (slots_specs, P(), P()),
+        program = self._jit(fn, (*models, slots_specs, P(), P()), (slots_specs, P(), P(), P()),
                             split_model=True, donate_argnums=(2,))
         return program.lower(self.params, self.draft_params, slots, i32, drafts).compile()
 
       def fn(params, draft_params, s, seed):
         target, drafter = self._models(params, draft_params)
         return steps.decode_chunk(target, drafter, cfg, arm, s, seed)
-      program = self._jit(fn, (*models, slots_specs, P()), (slots_specs, P(), P()),
+      program = self._jit(fn, (*models, slots_specs, P()), (slots_specs, P(), P(), P()),
                           split_model=True, donate_argnums=(2,))
       return program.lower(self.params, self.draft_params, slots, i32).compile()
     if phase == "insert":  # bucket = destination, extra = prefill bucket

@@ -211,8 +211,9 @@ def history_round(target, drafter, cfg: EngineConfig, s: Slots, seed, drafts_BxK
   """One chain round with drafts from the host: the target sees [token, d_1..d_K] at slots
   pos..pos+K, a draft is accepted while it equals the target's own Gumbel sample there (the
   token plain decoding would emit), and the target's token is emitted at the first mismatch.
-  Returns (slots, tokens emitted, rounds = 1), as `decode_chunk` does."""
+  Returns (slots, tokens emitted, rounds = 1, row-rounds), as `decode_chunk` does."""
   B, depth = drafts_BxK.shape
+  row_rounds = jnp.sum(s.live & ~s.done).astype(jnp.int32)
   K1 = depth + 1
   greedy = cfg.sampling.temperature == 0.0
   out = target(jnp.concatenate([s.token[:, None], drafts_BxK], axis=1), cache=s.cache,
@@ -226,7 +227,7 @@ def history_round(target, drafter, cfg: EngineConfig, s: Slots, seed, drafts_BxK
   accepted = jnp.sum(jnp.cumprod(accept_BxK.astype(jnp.int32), axis=1), axis=1)
   s, emitted = _commit(target, drafter, cfg, s, out.cache, s.draft_cache, target_tok, accepted,
                        target_masked.reshape(B, K1, -1), out.hidden_BxTxD, extend_current=True)
-  return s, emitted, jnp.int32(1)
+  return s, emitted, jnp.int32(1), row_rounds
 
 
 def _path_layout(pos_B, ancestors_BxTxA, depth_BxT, num_slots):
@@ -370,26 +371,31 @@ def _rejection_emit(s: Slots, seed, depth, drafts_BxK, draft_masked, target_mask
 
 
 def decode_chunk(target, drafter, cfg: EngineConfig, arm: Arm, s: Slots, seed):
-  """Up to `chunk_steps` rounds on device; stops early when no row is active."""
+  """Up to `chunk_steps` rounds on device; stops early when no row is active. Returns (slots,
+  tokens emitted, rounds, row-rounds): row-rounds counts each row once per round it was active
+  in, what the tuner divides by (rows that finish inside a chunk are not charged its later
+  rounds, so long chunks and one-round ones compare fairly)."""
 
   def cond(carry):
-    step, s, _ = carry
+    step, s, _, _ = carry
     return (step < cfg.chunk_steps) & jnp.any(s.live & ~s.done)
 
   def body(carry):
-    step, s, emitted = carry
+    step, s, emitted, row_rounds = carry
+    row_rounds = row_rounds + jnp.sum(s.live & ~s.done).astype(jnp.int32)
     if arm.is_tree:
       s, n = _tree_step(target, drafter, cfg, arm, s, seed)
     elif arm.depth:
       s, n = _sd_step(target, drafter, cfg, arm.depth, s, seed)
     else:
       s, n = _plain_step(target, cfg, s, seed)
-    return step + 1, s, emitted + n
+    return step + 1, s, emitted + n, row_rounds
 
-  rounds, out, emitted = jax.lax.while_loop(cond, body, (jnp.int32(0), s, jnp.int32(0)))
+  rounds, out, emitted, row_rounds = jax.lax.while_loop(
+      cond, body, (jnp.int32(0), s, jnp.int32(0), jnp.int32(0)))
   if drafter is not None and not arm.depth:
     out = _drafter_catch_up(target, drafter, cfg, s.pos, s.gen, out)
-  return out, emitted, rounds
+  return out, emitted, rounds, row_rounds
 
 
 def _drafter_catch_up(target, drafter, cfg: EngineConfig, pos0_B, gen0_B, s: Slots) -> Slots:
