@@ -101,16 +101,26 @@ def inputs() -> dict:
               buckets=tuple(costs["buckets"]), arms=tuple(costs["arms"]))
 
 
+def tuner_arms(inp: dict) -> dict[int, str]:
+  """The arm the bench's tuner settles on in each bucket: the cheaper measured round. Its reward
+  is tokens per second; with one accept length per variant (tlt.json does not split it by arm)
+  that ranks arms by round cost alone."""
+  return {b: min(inp["arms"], key=lambda a: inp["by_key"][f"verify[{a}][{b}]"])
+          for b in inp["buckets"]}
+
+
 def simulate(inp: dict, arm: str, contention: bool = True) -> dict:
   """SD off / static drafter / tlt over the bench's 10 steps, SD rounds costing `arm`'s measured
-  round in each bucket."""
+  round in each bucket (`arm` "tuner": each bucket's `tuner_arms` choice)."""
   from tlt_jax.perf import long_tail  # noqa: PLC0415
 
   buckets = inp["buckets"]
-  table = tuple((b, inp["by_key"][f"decode[{b}]"], inp["by_key"][f"verify[{arm}][{b}]"])
+  arm_of = tuner_arms(inp) if arm == "tuner" else {b: arm for b in buckets}
+  table = tuple((b, inp["by_key"][f"decode[{b}]"], inp["by_key"][f"verify[{arm_of[b]}][{b}]"])
                 for b in buckets)
   beside = lambda what: tuple((b, inp["by_key"][f"decode[{b}] + {what}"],
-                               inp["by_key"][f"verify[{arm}][{b}] + {what}"]) for b in buckets)
+                               inp["by_key"][f"verify[{arm_of[b]}][{b}] + {what}"])
+                              for b in buckets)
   shared = dict(decoding_bucket_step_s=beside("the other group decoding"),
                 contended_bucket_step_s=beside("drafter training"),
                 contended_drafter_step_s=inp["by_key"]["drafter train step + decoding"])
@@ -138,7 +148,8 @@ def simulate(inp: dict, arm: str, contention: bool = True) -> dict:
     drafter_steps += t["drafter_steps"]
   train = inp["train_s"] * len(inp["lengths"]["lengths"])
   step = {k: r + train for k, r in totals.items()}
-  return dict(arm=arm, contention=contention, rollout_s=totals, train_s=train, step_s=step,
+  return dict(arm=arm, arm_by_bucket=arm_of, contention=contention, rollout_s=totals,
+              train_s=train, step_s=step,
               speedup_end_to_end=step["baseline"] / step["tlt"],
               speedup_static_end_to_end=step["baseline"] / step["static_drafter"],
               speedup_rollout=totals["baseline"] / totals["tlt"],
@@ -148,8 +159,9 @@ def simulate(inp: dict, arm: str, contention: bool = True) -> dict:
 def build() -> dict:
   inp = inputs()
   tlt = inp["tlt"]
-  sims = {arm: simulate(inp, arm) for arm in inp["arms"]}
-  independent = {arm: simulate(inp, arm, contention=False) for arm in inp["arms"]}
+  arms = ("tuner",) + inp["arms"]
+  sims = {arm: simulate(inp, arm) for arm in arms}
+  independent = {arm: simulate(inp, arm, contention=False) for arm in arms}
   measured = dict(speedup_end_to_end=tlt["speedup_end_to_end"],
                   speedup_static_end_to_end=tlt["speedup_static_end_to_end"],
                   speedup_rollout=tlt["speedup_rollout"],

@@ -658,17 +658,18 @@ plt.show()'''),
     ("md", '''\
 ## Why TLT is slower here, and modest in the simulation
 
-On this CPU TLT measured **0.77x** (`BENCHMARKS.md`, "TLT on this CPU"). Speculative decoding
+On this CPU TLT measured **0.94x** end to end, the static drafter 0.94x (`BENCHMARKS.md`,
+"TLT on this CPU" and "History drafts": `experiments/results/tlt.json`). Speculative decoding
 does not pay at this width: a drafter pass costs about a quarter of the 4-layer x 128 target's,
-most of a CPU step is per-op overhead, and an accept length of about 2 does not cover drafting
+most of a CPU step is per-op overhead, and an accept length below 3 does not cover drafting
 2-4 tokens plus a wider verify. Spot training shares the two cores with the group still
-decoding (the host devices are one CPU, so "idle" devices are not idle compute), and in six RL
+decoding (the host devices are one CPU, so "idle" devices are not idle compute), and in ten RL
 steps the policy barely drifts, so the adaptive drafter has nothing to adapt to (its accept
-length, 1.93, stayed below the static drafter's 2.11). The simulation, fitted to these CPU
-costs, predicts only about 1.1x at 8-1024 devices (1.25-1.31x with a memory-bound cost shape):
-the paper's 1.7-2.1x needs a heavier tail, cheaper SD rounds, or its accept lengths (~6). What
-would change the picture is real accelerators (disjoint compute per group), a target large
-relative to its drafter, and long RL runs in which the policy drifts.'''),
+length, 2.72, stayed below the static drafter's 2.90). The simulation, fitted to these CPU
+costs, predicts only 1.05-1.07x at 8-1024 devices (1.17-1.23x with a memory-bound cost
+shape): the paper's 1.7-2.1x needs a heavier tail, cheaper SD rounds, or its accept lengths
+(~6). What would change the picture is real accelerators (disjoint compute per group), a target
+large relative to its drafter, and long RL runs in which the policy drifts.'''),
 ]
 
 NOTEBOOKS = {"quickstart": QUICKSTART, "batch_invariance": BATCH_INVARIANCE,

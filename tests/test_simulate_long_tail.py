@@ -193,20 +193,21 @@ def test_simulator_with_measured_cpu_costs_reproduces_bench_tlt():
   """Issue 23: the simulator, driven by step costs measured on this CPU
   (step_costs_bench_tlt_cpu.json), bench_tlt's own response lengths (tlt_lengths.json, a replay
   of its trajectory) and its measured accept lengths and train time, against bench_tlt's
-  measured end-to-end ratio (tlt.json). The tuner's arm per bucket is not recorded, so both arms'
-  round costs are simulated: each within 15%. Not fitted: no input is taken from the ratios."""
+  measured end-to-end ratio (tlt.json), within 15%. The tuner's arm per bucket is not recorded:
+  the simulation takes the arm it settles on (the cheaper measured round per bucket). Not
+  fitted: no input is taken from the ratios."""
   from experiments import simulate_bench_tlt
 
   report = simulate_bench_tlt.build()
   assert report["inputs"]["lengths"].endswith("{'reward_mean_by_step': True, "
                                               "'response_len_max': True})")
   measured = report["measured"]["speedup_end_to_end"]
-  for arm, sim_arm in report["simulated"].items():
-    assert sim_arm["contention"]
-    predicted = sim_arm["speedup_end_to_end"]
-    assert abs(predicted - measured) / measured <= simulate_bench_tlt.TOLERANCE, (arm, predicted,
-                                                                                  measured)
-  # The shared cores are why TLT is slower than the static drafter here (measured 0.83 vs 1.04):
-  # with compute shared the simulator orders them so too.
-  chain2 = report["simulated"]["chain2"]
-  assert chain2["speedup_end_to_end"] < chain2["speedup_static_end_to_end"]
+  tuner = report["simulated"]["tuner"]
+  assert tuner["contention"]
+  assert abs(tuner["speedup_end_to_end"] - measured) / measured <= simulate_bench_tlt.TOLERANCE, (
+      tuner["speedup_end_to_end"], measured)
+  # A tuner stuck on the dearer arm everywhere is priced too, and is slower than the choice.
+  assert report["simulated"]["chain4"]["speedup_end_to_end"] < tuner["speedup_end_to_end"]
+  # The shared cores are why TLT is no faster than the static drafter here (measured 0.94 vs
+  # 0.94; the online drafter's steps take the cores decode needs): the simulator orders them so.
+  assert tuner["speedup_end_to_end"] < tuner["speedup_static_end_to_end"]
