@@ -239,6 +239,43 @@ def test_no_compile_after_warm_up():
   assert len(samples) == 3 and {t.arm for t in engine.trace} == {OFF, "chain2"}
 
 
+def test_warm_up_through_a_queue_compiles_in_its_threads_and_matches_one_by_one():
+  """`warm_up(queue)` lowers now and compiles in the queue's threads (the job's trainer builds
+  its programs meanwhile); only `queue.wait()` installs the programs. The rollout after it
+  compiles nothing and is bitwise the rollout of programs compiled one at a time."""
+  import threading
+
+  from tlt_jax.compile_queue import CompileQueue
+  from tlt_jax.rollout.programs import clear_shared_programs
+
+  target, draft = _models()
+  compile_threads = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, *a, **k: compile_threads.append(threading.current_thread().name)
+      if "backend_compile" in name else None)
+  small = dataclasses.replace(CFG, buckets=(1, 2), arms=(Arm(OFF), Arm("chain2", 2)))
+  outputs = []
+  for workers in (1, 2):
+    clear_shared_programs()  # the second engine must compile, not take the first's programs
+    with ops.numerics_mode("batch_invariant"):
+      engine = RolloutEngine(target, small, draft)
+      queue = CompileQueue(workers)
+      compile_threads.clear()
+      built = engine.pool.warm_up(queue)
+      assert built == len(engine.pool.program_keys()) and not engine.pool.programs
+      seconds = queue.wait()
+      assert set(engine.pool.programs) == set(engine.pool.program_keys())
+      assert sum(seconds.values()) > 0 and "decode:chain2" in seconds
+      on_pool = {name.startswith("tlt-compile") for name in compile_threads}
+      assert on_pool == ({False} if workers == 1 else {True}), (workers, compile_threads)
+      compile_threads.clear()
+      outputs.append(engine.generate(PROMPTS[:3], group_size=2, seed=5))
+      assert compile_threads == []
+  for one, two in zip(*outputs, strict=True):
+    np.testing.assert_array_equal(one.tokens, two.tokens)
+    np.testing.assert_array_equal(one.logprobs, two.logprobs)
+
+
 def test_tensor_parallel_groups_are_bitwise_the_unsplit_engine():
   """Two rollout groups of two devices, each splitting the model over its devices (exact tensor
   parallelism, the Pallas kernels), decoding with a tree: every token and log-prob is bitwise

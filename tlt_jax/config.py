@@ -27,8 +27,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.log_level = "warning"
   # JAX's persistent compilation cache (tlt_jax/compile_cache.py): None = $TLT_JAX_CACHE_DIR,
   # else ~/.cache/tlt_jax/xla; "" = off
-  # (a str placeholder: --config.compile.cache_dir=... overrides it; other types are refused)
-  c.compile = ml_collections.ConfigDict(dict(cache_dir=config_dict.placeholder(str)))
+  # (a str placeholder: --config.compile.cache_dir=... overrides it; other types are refused).
+  # workers: threads compiling the warm-up's programs side by side (tlt_jax/compile_queue.py);
+  # 0 = one per core up to 8, 1 = one at a time in the main thread
+  c.compile = ml_collections.ConfigDict(dict(cache_dir=config_dict.placeholder(str), workers=0))
   c.model = ml_collections.ConfigDict(dict(
       hf_dir="",  # a config.json + safetensors directory; when set, the fields below are ignored
       arch="qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -157,6 +159,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
                     "f32) or 'tf32' (XLA's f32 matmuls as TF32 on NVIDIA GPUs)")
   if c.log_level not in ("debug", "info", "warning", "error"):
     problems.append(f"log_level={c.log_level!r} must be 'debug', 'info', 'warning' or 'error'")
+  if c.compile.workers < 0:
+    problems.append(f"compile.workers={c.compile.workers} must be >= 0 (0 = one per core)")
   m = c.model
   if m.num_heads <= 0:
     problems.append(f"model.num_heads={m.num_heads} must be positive")

@@ -20,6 +20,7 @@ from flax import nnx
 
 from tlt_jax import checkpoint as ckpt_lib
 from tlt_jax import mesh as mesh_lib
+from tlt_jax.compile_queue import CompileQueue
 from tlt_jax.data import splits
 from tlt_jax.data.chat import PromptFormatter
 from tlt_jax.data.pipeline import prompt_dataset
@@ -170,16 +171,18 @@ class Job:
 
   def warm_up(self) -> dict[str, float]:
     """Compiles every program the run will use, before the first step; returns the seconds
-    per kind of program ("prefill", "decode:<arm>", ..., "train_step", "drafter_step")."""
-    self.engine.warm_up()
-    seconds = self.engine.compile_seconds()
+    per kind of program ("prefill", "decode:<arm>", ..., "train_step", "drafter_step"). The
+    rollout's and the drafter's programs compile in background threads while this thread
+    builds the trainer's (whose programs feed each other's shapes, so they go one by one)."""
+    queue = CompileQueue(self.config.compile.workers)
+    self.engine.warm_up(queue)
+    if self.spot is not None:
+      self.spot.warm_up(self.engine.device_groups, queue)  # none inside a rollout's tail
     t0 = time.perf_counter()
     self.trainer.warm_up(self.train_len)
-    seconds["train_step"] = time.perf_counter() - t0
-    if self.spot is not None:
-      t0 = time.perf_counter()
-      self.spot.warm_up(self.engine.device_groups)  # the drafter step too: none inside a rollout
-      seconds["drafter_step"] = time.perf_counter() - t0
+    train_s = time.perf_counter() - t0
+    seconds = queue.wait()
+    seconds["train_step"] = train_s
     return seconds
 
   def close(self) -> None:

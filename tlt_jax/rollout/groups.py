@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import jax
 import numpy as np
 
+from tlt_jax import compile_queue
+from tlt_jax.compile_queue import CompileQueue
 from tlt_jax.mesh import group_sharding
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import Transformer
@@ -71,8 +73,10 @@ class GroupedRollout:
     self.drafter_version = 0
     self.last_report: RolloutReport | None = None
 
-  def warm_up(self) -> int:
-    return sum(e.pool.warm_up() for e in self.engines)
+  def warm_up(self, queue: CompileQueue | None = None) -> int:
+    """Builds every group's programs, side by side (see `ProgramPool.warm_up`)."""
+    with compile_queue.using(queue) as queue:
+      return sum(e.pool.warm_up(queue) for e in self.engines)
 
   def compile_seconds(self) -> dict[str, float]:
     """Seconds each kind of program took to build, summed over the groups' pools."""

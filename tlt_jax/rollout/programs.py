@@ -8,7 +8,6 @@ compiles inside a timed rollout after `warm_up`, and a second engine compiles no
 from __future__ import annotations
 
 import collections
-import time
 from typing import Any
 
 import jax
@@ -20,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from tlt_jax import ops
 from tlt_jax import tensor_parallel as tp
+from tlt_jax import compile_queue
+from tlt_jax.compile_queue import CompileQueue
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import KVCache, Transformer
 from tlt_jax.rollout import steps
@@ -154,7 +155,8 @@ class ProgramPool:
       drafter = _TracedUnderXla(drafter)
     return target, drafter
 
-  def _build(self, key):
+  def _lower(self, key) -> jax.stages.Lowered:
+    """The program of `key`, traced and lowered for the pool's placement (not compiled)."""
     phase, bucket, extra = key
     cfg = self.cfg
     models = (self._param_specs(self.params), self._param_specs(self.draft_params))
@@ -167,7 +169,7 @@ class ProgramPool:
       args = (jax.ShapeDtypeStruct((bucket, cfg.max_prompt_len), jnp.int32), rows, rows, rows, i32)
       program = self._jit(fn, (*models, *[P()] * len(args)),
                           self._slots_specs(self.slots_shape(bucket)), split_model=True)
-      return program.lower(self.params, self.draft_params, *args).compile()
+      return program.lower(self.params, self.draft_params, *args)
     slots = self.slots_shape(bucket)
     slots_specs = self._slots_specs(slots)
     if phase == "decode":  # extra = arm name
@@ -179,32 +181,32 @@ class ProgramPool:
         drafts = jax.ShapeDtypeStruct((bucket, arm.depth), jnp.int32)
         program = self._jit(fn, (*models, slots_specs, P(), P()), (slots_specs, P(), P(), P()),
                             split_model=True, donate_argnums=(2,))
-        return program.lower(self.params, self.draft_params, slots, i32, drafts).compile()
+        return program.lower(self.params, self.draft_params, slots, i32, drafts)
 
       def fn(params, draft_params, s, seed):
         target, drafter = self._models(params, draft_params)
         return steps.decode_chunk(target, drafter, cfg, arm, s, seed)
       program = self._jit(fn, (*models, slots_specs, P()), (slots_specs, P(), P(), P()),
                           split_model=True, donate_argnums=(2,))
-      return program.lower(self.params, self.draft_params, slots, i32).compile()
+      return program.lower(self.params, self.draft_params, slots, i32)
     if phase == "insert":  # bucket = destination, extra = prefill bucket
       new = self.slots_shape(extra)
       program = self._jit(steps.insert, (slots_specs, self._slots_specs(new), P()), slots_specs,
                           donate_argnums=(0,))
-      return program.lower(slots, new, jax.ShapeDtypeStruct((extra,), jnp.int32)).compile()
+      return program.lower(slots, new, jax.ShapeDtypeStruct((extra,), jnp.int32))
     if phase == "compact":  # bucket = source, extra = destination
       program = self._jit(steps.compact, (slots_specs, P(), P()),
                           self._slots_specs(self.slots_shape(extra)))
       return program.lower(slots, jax.ShapeDtypeStruct((extra,), jnp.int32),
-                           jax.ShapeDtypeStruct((extra,), bool)).compile()
+                           jax.ShapeDtypeStruct((extra,), bool))
     if phase == "finish":  # mark rows done (a stop string was found on the host)
       program = self._jit(lambda s, m: s._replace(done=s.done | m), (slots_specs, P()),
                           slots_specs, donate_argnums=(0,))
-      return program.lower(slots, jax.ShapeDtypeStruct((bucket,), bool)).compile()
+      return program.lower(slots, jax.ShapeDtypeStruct((bucket,), bool))
     if phase == "empty":
-      return self._jit(lambda: steps.empty(slots), (), slots_specs).lower().compile()
+      return self._jit(lambda: steps.empty(slots), (), slots_specs).lower()
     if phase == "hidden_row":
-      return self._jit(lambda h, r: h[r], (P(), P()), P()).lower(slots.out_hidden, i32).compile()
+      return self._jit(lambda h, r: h[r], (P(), P()), P()).lower(slots.out_hidden, i32)
     raise KeyError(key)
 
   def slots_shape(self, bucket: int):
@@ -225,40 +227,59 @@ class ProgramPool:
 
   def get(self, phase: str, bucket: int, extra: int | str = 0):
     key = (phase, bucket, extra)
-    if key not in self.programs:
-      # The numerics mode is read while tracing: part of what a program is.
-      shared = (self._share_key, ops.numerics(), ops.backend(), key)
-      program = _SHARED_PROGRAMS.pop(shared, None)
-      if program is None:
-        t0 = time.perf_counter()
-        program = self._build(key)
-        kind = f"{phase}:{extra}" if phase == "decode" else phase
-        self.compile_seconds[kind] += time.perf_counter() - t0
-      _SHARED_PROGRAMS[shared] = program
-      while len(_SHARED_PROGRAMS) > SHARED_PROGRAMS_LIMIT:
-        _SHARED_PROGRAMS.popitem(last=False)
-      self.programs[key] = program
-      self.compiles += 1
+    if key not in self.programs:  # not warmed up: built here, in this thread
+      queue = CompileQueue(workers=1)
+      self._enqueue(key, queue)
+      queue.wait()
     return self.programs[key]
 
-  def warm_up(self) -> int:
-    """Builds every program a rollout can call; returns how many were compiled."""
-    before = self.compiles
+  def program_keys(self) -> list[tuple]:
+    """Every (phase, bucket, extra) a rollout can call."""
+    keys = []
     buckets = self.cfg.buckets
     for b in buckets:
-      self.get("prefill", b)
-      self.get("empty", b)
+      keys += [("prefill", b, 0), ("empty", b, 0)]
       if self.cfg.stop_strings:
-        self.get("finish", b)
-      self.get("hidden_row", b)
-      for arm in self.allowed_arms[b]:
-        self.get("decode", b, arm)
+        keys.append(("finish", b, 0))
+      keys.append(("hidden_row", b, 0))
+      keys += [("decode", b, arm) for arm in self.allowed_arms[b]]
       for k in buckets:
         if k <= b:
-          self.get("insert", b, k)
+          keys.append(("insert", b, k))
           if k < b:
-            self.get("compact", b, k)
-    return self.compiles - before
+            keys.append(("compact", b, k))
+    return keys
+
+  def warm_up(self, queue: CompileQueue | None = None) -> int:
+    """Builds every program a rollout can call; returns how many were missing. With `queue`
+    the compiles are only queued there (the caller's `queue.wait()` finishes them), so several
+    pools and the trainer compile side by side; without, this waits for its own queue."""
+    missing = [key for key in self.program_keys() if key not in self.programs]
+    with compile_queue.using(queue) as queue:
+      for key in missing:
+        self._enqueue(key, queue)
+    return len(missing)
+
+  def _enqueue(self, key: tuple, queue: CompileQueue) -> None:
+    # The numerics mode is read while tracing: part of what a program is.
+    shared = (self._share_key, ops.numerics(), ops.backend(), key)
+    program = _SHARED_PROGRAMS.pop(shared, None)
+    if program is not None:
+      self._install(key, shared, program, 0.0)
+      return
+    phase, _, extra = key
+    kind = f"{phase}:{extra}" if phase == "decode" else phase
+    queue.add(kind, lambda: self._lower(key),
+              lambda compiled, seconds: self._install(key, shared, compiled, seconds, kind))
+
+  def _install(self, key: tuple, shared: tuple, program, seconds: float, kind: str = "") -> None:
+    if kind:
+      self.compile_seconds[kind] += seconds
+    _SHARED_PROGRAMS[shared] = program
+    while len(_SHARED_PROGRAMS) > SHARED_PROGRAMS_LIMIT:
+      _SHARED_PROGRAMS.popitem(last=False)
+    self.programs[key] = program
+    self.compiles += 1
 
 
 class _TracedUnderXla:

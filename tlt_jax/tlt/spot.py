@@ -22,6 +22,8 @@ import optax
 from flax import nnx
 
 from tlt_jax import ops
+from tlt_jax import compile_queue
+from tlt_jax.compile_queue import CompileQueue
 from tlt_jax.mesh import group_sharding
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import Transformer
@@ -94,22 +96,29 @@ class SpotTrainer:
     feature = jax.ShapeDtypeStruct((B, T, target.cfg.hidden_size), target.cfg.jnp_dtype)
     return PackedBatch(i32, feature, feature, jax.ShapeDtypeStruct((B, T), jnp.bool_), i32, i32)
 
-  def warm_up(self, device_groups: Sequence[Sequence[jax.Device]]) -> int:
+  def warm_up(self, device_groups: Sequence[Sequence[jax.Device]],
+              queue: CompileQueue | None = None) -> int:
     """Compiles the step for every group it may be lent, before the first rollout: a compile
-    inside the tail would hold the barrier for seconds. Returns how many programs were built."""
+    inside the tail would hold the barrier for seconds. Returns how many programs were built.
+    With `queue` the compiles are only queued there (the caller waits for them)."""
     spec = lambda tree, sharding: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
     built = 0
-    for devices in map(tuple, device_groups):
-      if devices in self._compiled:
-        continue
-      replicated = group_sharding(devices)
-      batch = group_sharding(devices, batch=self.cfg.rows % len(devices) == 0)
-      with ops.numerics_mode("xla"):
-        self._compiled[devices] = self._step.lower(
-            spec(self.params, replicated), spec(self.opt_state, replicated),
-            spec(self.target_params, replicated), spec(self.batch_shape, batch)).compile()
-      built += 1
+    with compile_queue.using(queue) as queue:
+      for devices in map(tuple, device_groups):
+        if devices in self._compiled:
+          continue
+        replicated = group_sharding(devices)
+        batch = group_sharding(devices, batch=self.cfg.rows % len(devices) == 0)
+
+        def lower(replicated=replicated, batch=batch):
+          with ops.numerics_mode("xla"):
+            return self._step.lower(
+                spec(self.params, replicated), spec(self.opt_state, replicated),
+                spec(self.target_params, replicated), spec(self.batch_shape, batch))
+        done = lambda compiled, _, devices=devices: self._compiled.__setitem__(devices, compiled)
+        queue.add("drafter_step", lower, done)
+        built += 1
     return built
 
   def lend(self, devices: Sequence[jax.Device]) -> None:
