@@ -3,9 +3,11 @@ thread (tracing reads thread-local JAX state: the numerics mode, the default dev
 by a pool of threads while the caller goes on lowering the next (XLA's compile releases the GIL).
 
 What it buys depends on how much of one compile XLA already spreads over cores. Measured on this
-2-core CPU (BENCHMARKS.md): the default job's 68 rollout programs take as long with two threads as
-with one (XLA:CPU codegen already uses both cores), while the same engine programs compiled for an
-H100 (ptxas included) take 1.24x less; a GPU machine's 16 cores leave more to gain.
+2-core CPU (BENCHMARKS.md, `experiments/bench_compile.py`): the default job's 96 rollout programs
+build in 35.4 s with two threads against 41.9 s with one (1.18x), mostly from lowering overlapping
+compiles, since XLA:CPU already uses both cores for one compile. Cross-compiled for an H100,
+those 96 programs were slower with two threads (0.92x), while nine larger ones were 1.24x
+faster. No GPU host (16 cores) has measured it: `compile.workers=1` is the one-at-a-time path.
 """
 
 from __future__ import annotations
