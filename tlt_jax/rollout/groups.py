@@ -22,7 +22,6 @@ import jax
 import numpy as np
 
 from tlt_jax import compile_queue
-from tlt_jax.compile_queue import CompileQueue
 from tlt_jax.mesh import group_sharding
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import Transformer
@@ -73,7 +72,7 @@ class GroupedRollout:
     self.drafter_version = 0
     self.last_report: RolloutReport | None = None
 
-  def warm_up(self, queue: CompileQueue | None = None) -> int:
+  def warm_up(self, queue: compile_queue.CompileQueue | None = None) -> int:
     """Builds every group's programs, side by side (see `ProgramPool.warm_up`)."""
     with compile_queue.using(queue) as queue:
       return sum(e.pool.warm_up(queue) for e in self.engines)

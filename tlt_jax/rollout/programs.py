@@ -20,7 +20,6 @@ from jax.sharding import PartitionSpec as P
 from tlt_jax import ops
 from tlt_jax import tensor_parallel as tp
 from tlt_jax import compile_queue
-from tlt_jax.compile_queue import CompileQueue
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import KVCache, Transformer
 from tlt_jax.rollout import steps
@@ -228,7 +227,7 @@ class ProgramPool:
   def get(self, phase: str, bucket: int, extra: int | str = 0):
     key = (phase, bucket, extra)
     if key not in self.programs:  # not warmed up: built here, in this thread
-      queue = CompileQueue(workers=1)
+      queue = compile_queue.CompileQueue(workers=1)
       self._enqueue(key, queue)
       queue.wait()
     return self.programs[key]
@@ -250,7 +249,7 @@ class ProgramPool:
             keys.append(("compact", b, k))
     return keys
 
-  def warm_up(self, queue: CompileQueue | None = None) -> int:
+  def warm_up(self, queue: compile_queue.CompileQueue | None = None) -> int:
     """Builds every program a rollout can call; returns how many were missing. With `queue`
     the compiles are only queued there (the caller's `queue.wait()` finishes them), so several
     pools and the trainer compile side by side; without, this waits for its own queue."""
@@ -260,7 +259,7 @@ class ProgramPool:
         self._enqueue(key, queue)
     return len(missing)
 
-  def _enqueue(self, key: tuple, queue: CompileQueue) -> None:
+  def _enqueue(self, key: tuple, queue: compile_queue.CompileQueue) -> None:
     # The numerics mode is read while tracing: part of what a program is.
     shared = (self._share_key, ops.numerics(), ops.backend(), key)
     program = _SHARED_PROGRAMS.pop(shared, None)

@@ -23,7 +23,6 @@ from flax import nnx
 
 from tlt_jax import ops
 from tlt_jax import compile_queue
-from tlt_jax.compile_queue import CompileQueue
 from tlt_jax.mesh import group_sharding
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import Transformer
@@ -97,7 +96,7 @@ class SpotTrainer:
     return PackedBatch(i32, feature, feature, jax.ShapeDtypeStruct((B, T), jnp.bool_), i32, i32)
 
   def warm_up(self, device_groups: Sequence[Sequence[jax.Device]],
-              queue: CompileQueue | None = None) -> int:
+              queue: compile_queue.CompileQueue | None = None) -> int:
     """Compiles the step for every group it may be lent, before the first rollout: a compile
     inside the tail would hold the barrier for seconds. Returns how many programs were built.
     With `queue` the compiles are only queued there (the caller waits for them)."""
@@ -111,7 +110,7 @@ class SpotTrainer:
         replicated = group_sharding(devices)
         batch = group_sharding(devices, batch=self.cfg.rows % len(devices) == 0)
 
-        def lower(replicated=replicated, batch=batch):
+        def lower():  # called at once, in this iteration
           with ops.numerics_mode("xla"):
             return self._step.lower(
                 spec(self.params, replicated), spec(self.opt_state, replicated),
