@@ -75,11 +75,12 @@ def base_config(steps: int, workdir: str):
   return c
 
 
-def variant_config(name: str, steps: int, workdir: str, drafter_dir: str):
+def variant_config(name: str, steps: int, workdir: str, drafter_dir: str,
+                   history_arms: str = HISTORY_ARMS):
   c = base_config(steps, workdir)
   c.tlt.enabled, c.tlt.spot_training, history = VARIANTS[name]
   if history:
-    c.rollout.history_arms = HISTORY_ARMS
+    c.rollout.history_arms = history_arms
     c.rollout.history_global_tokens = 4096
   if c.tlt.enabled:
     c.tlt.drafter_init = drafter_dir
@@ -116,11 +117,11 @@ def train_equalized(variants: dict) -> dict[str, float]:
           if name != "baseline"}
 
 
-def run_child(name: str, steps: int, drafter_dir: str, workdir: str) -> dict:
+def run_child(name: str, steps: int, drafter_dir: str, workdir: str, history_arms: str) -> dict:
   """One variant in a fresh process (its own JAX runtime, caches and allocator; the program
   pool loads from the persistent compilation cache after the first run of a variant)."""
   cmd = [sys.executable, "-m", "experiments.bench_tlt", "--variant", name, "--steps", str(steps),
-         "--drafter", drafter_dir, "--workdir", workdir]
+         "--drafter", drafter_dir, "--workdir", workdir, "--history-arms", history_arms]
   subprocess.run(cmd, check=True, cwd=ROOT, stdout=sys.stderr)  # stdout: the one JSON object
   with open(os.path.join(workdir, "variant.json")) as f:
     return json.load(f)
@@ -154,6 +155,8 @@ def main() -> None:
                       help="a warmed-up drafter directory (tlt.warmup --out) instead of "
                            "warming one")
   parser.add_argument("--out", default="", help="result file name under experiments/results/")
+  parser.add_argument("--history-arms", default=HISTORY_ARMS,
+                      help="the history variant's model-free arms (rollout.history_arms)")
   parser.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)  # child
   parser.add_argument("--workdir", default="", help=argparse.SUPPRESS)  # child
   args = parser.parse_args()
@@ -164,7 +167,7 @@ def main() -> None:
   steps = args.steps or (2 if args.quick else 10)
   if args.variant:  # one variant in this process (see run_child)
     measured = run_variant(args.variant, variant_config(args.variant, steps, args.workdir,
-                                                         args.drafter))
+                                                         args.drafter, args.history_arms))
     with open(os.path.join(args.workdir, "variant.json"), "w") as f:
       json.dump(measured, f)
     return
@@ -201,7 +204,7 @@ def main() -> None:
       for name in this_order:
         workdir = os.path.join(tmp, f"{name}-{r}")
         os.makedirs(workdir)
-        runs[name].append(run_child(name, steps, drafter_dir, workdir))
+        runs[name].append(run_child(name, steps, drafter_dir, workdir, args.history_arms))
   trajectories = [run["reward_mean_by_step"] for rs in runs.values() for run in rs]
   variants = {name: aggregate(rs) for name, rs in runs.items()}
   base = variants["baseline"]
@@ -230,7 +233,7 @@ def main() -> None:
       "steps": steps,
       "repeats": repeats,
       "orders": orders,
-      "history_arms": HISTORY_ARMS,
+      "history_arms": args.history_arms,
       "warmup": {k: warm[k] for k in ("examples", "tokens", "steps", "final", "seconds")
                  if k in warm},
       "variants": variants,

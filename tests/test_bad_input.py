@@ -56,7 +56,8 @@ BAD_VALUES = [
     ("data.on_error", "ignore"), ("tlt.fixed_arm", "chain3"), ("model.dtype", "float16"),
     ("rl.reward_worker_kind", "fork"), ("rl.dapo_max_rollouts", 0),
     ("rollout.history_arms", "chain2"), ("rollout.history_arms", "history_chain0"),
-    ("rollout.history_global_tokens", -1),
+    ("rollout.history_global_tokens", -1), ("rollout.history_arms", "lookup_chain0"),
+    ("rollout.lookup_bank", -1),
 ]
 
 

@@ -5,6 +5,7 @@ warm-up, the tuner, and bad input. All in batch-invariant numerics (what makes t
 import collections
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,8 @@ from tlt_jax.rollout import steps as steps_lib
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.tuner import OFF, Arm, Tuner, default_arms, history_arm, parse_arms, tree_arm
+from tlt_jax.rollout.tuner import (OFF, Arm, Tuner, default_arms, history_arm, lookup_arm,
+                                   parse_arms, tree_arm)
 
 VOCAB = 12
 EOS = 3
@@ -120,6 +122,78 @@ def test_history_chains_are_bitwise_plain_decoding(arm, drafter):
   assert chunks and all(t.rounds == 1 for t in chunks)  # one verify round per host trip
   assert max(t.accept_len for t in chunks) > 1.0  # siblings' text was drafted and accepted
   assert engine.history.stats.proposals > 0 and not engine.history.live
+
+
+LOOKUP_CFG = dataclasses.replace(
+    CFG, arms=(Arm(OFF), Arm("chain2", 2), lookup_arm(2), lookup_arm(4)), lookup_bank=3)
+
+
+@pytest.mark.parametrize("arm,drafter", [("lookup_chain2", False), ("lookup_chain4", True)])
+def test_lookup_chains_are_bitwise_plain_decoding(arm, drafter):
+  """Chains looked up on device in the bucket's rows and the bank, several rounds per chunk:
+  the same tokens and log-probs as plain decoding, with or without a learned drafter (whose
+  cache the rounds keep current) beside them."""
+  _, reference = _plain()
+  engine, samples = _run(LOOKUP_CFG, drafter=drafter, arm=arm)
+  _assert_same(reference, samples)
+  chunks = [t for t in engine.trace if t.arm == arm]
+  assert chunks and max(t.rounds for t in chunks) == LOOKUP_CFG.chunk_steps
+  # Without an accepted draft a row emits at most one token per round it is active in.
+  assert sum(t.emitted for t in chunks) > sum(t.row_rounds for t in chunks)
+  # The bank is full (12 responses through 3 entries), each entry one finished response.
+  bank_tokens, bank_len = engine._bank
+  assert np.all(bank_len > 0)
+  for tokens, n in zip(bank_tokens, bank_len):
+    assert any(np.array_equal(tokens[:n], x.tokens) for x in samples)
+
+
+def _reference_lookup(rows, bank, depth, max_order):
+  """A plain-Python search for `_lookup_drafts`: for each row, every (source, end) in order
+  (rows, then bank), scored by match length of the row's newest tokens (up to max_order),
+  then by continuation tokens available (up to depth); first best wins. Returns each row's
+  continuation (shorter than depth where the source ends), None where nothing matched."""
+  corpus = list(rows) + list(bank)
+  drafts = []
+  for seq in rows:
+    best, best_score = None, -1
+    for src in corpus:
+      for j in range(len(src)):
+        m = 0
+        while m < max_order and m < len(seq) and j - m >= 0 and src[j - m] == seq[-1 - m]:
+          m += 1
+        avail = len(src) - 1 - j
+        if m > 0 and avail > 0 and m * (depth + 1) + min(avail, depth) > best_score:
+          best, best_score = (src, j), m * (depth + 1) + min(avail, depth)
+    drafts.append(None if best is None else list(best[0][best[1] + 1:best[1] + 1 + depth]))
+  return drafts
+
+
+def test_lookup_drafts_match_a_plain_search():
+  rng = np.random.default_rng(0)
+  P, N, H, depth, max_order = 5, 9, 3, 3, 3
+  prompts = [rng.integers(0, 4, size=rng.integers(1, P + 1)).tolist() for _ in range(6)]
+  responses = [rng.integers(0, 4, size=rng.integers(1, N + 1)).tolist() for _ in range(6)]
+  bank = [rng.integers(0, 4, size=rng.integers(1, N + 1)).tolist() for _ in range(H)]
+  prompts.append([5, 1])  # token 6 occurs nowhere else: nothing to look up
+  responses.append([2, 6])
+  pad = lambda xs, n: np.array([x + [0] * (n - len(x)) for x in xs], np.int32)
+  gen = np.array([len(r) for r in responses], np.int32)
+  B = len(prompts)
+  s = steps_lib.Slots(
+      cache=None, draft_cache=None, token=jnp.asarray([r[-1] for r in responses]),
+      pos=jnp.asarray([len(p) for p in prompts]) + gen - 1, prev_hidden=jnp.zeros((B, 1)),
+      sample_id=jnp.arange(B), gen=jnp.asarray(gen), max_new=jnp.full((B,), N),
+      done=jnp.zeros((B,), bool), live=jnp.ones((B,), bool),
+      out_tokens=jnp.asarray(pad(responses, N)), out_logprobs=jnp.zeros((B, N)),
+      out_hidden=jnp.zeros((B, N, 1)), prompt_tokens=jnp.asarray(pad(prompts, P)))
+  drafts = steps_lib._lookup_drafts(s, jnp.asarray(pad(bank, N)),
+                                    jnp.asarray([len(b) for b in bank]), depth, max_order)
+  rows = [p + r for p, r in zip(prompts, responses)]
+  expected = _reference_lookup(rows, bank, depth, max_order)
+  assert any(w is None for w in expected) and any(w and len(w) == depth for w in expected)
+  # Past the end of the matched source a draft is padding (any token): compare what exists.
+  for b, (got, want) in enumerate(zip(np.asarray(drafts).tolist(), expected)):
+    assert got == [0] * depth if want is None else got[:len(want)] == want, b
 
 
 def test_the_tuner_free_over_history_and_learned_arms_is_bitwise_plain():
@@ -437,6 +511,27 @@ def test_tuner_reward_is_per_live_row():
   assert tuner.best(8) == "chain2"
   with pytest.raises(ValueError, match="drafter_numerics"):
     EngineConfig(drafter_numerics="bf16")
+
+
+def test_a_chunk_is_timed_to_its_results_not_to_when_the_host_came_back():
+  """A host loop that interleaves several engines comes back to one later than its chunk was
+  ready; that wait is not the chunk's time (it made every arm as slow as the slowest chunk of
+  any group, and the tuner chose slow SD arms)."""
+  engine, _ = _plain()
+  engine.generate(PROMPTS[:2], arm=OFF)  # every program this rollout calls, built
+  engine.trace.clear()
+  run = engine.rollout(PROMPTS[:2], arm=OFF)
+  away_s, waits = 0.3, 0
+  try:
+    while True:
+      _, _, ready_at = next(run)
+      time.sleep(away_s)  # the host is elsewhere (another group's chunk, the host's own work)
+      waits += 1
+      assert ready_at.done()
+  except StopIteration:
+    pass
+  assert waits == len(engine.trace) >= 2
+  assert all(t.seconds < away_s / 2 for t in engine.trace), [t.seconds for t in engine.trace]
 
 
 def test_bad_input_fails_before_any_compile():

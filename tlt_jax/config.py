@@ -69,14 +69,18 @@ def default_config() -> ml_collections.ConfigDict:
       # end a sample when its decoded text contains one of these (checked against the
       # tokenizer and the chat template's end marker when the run starts)
       stop_strings=(),
-      # model-free SD arms (rollout/history.py): chains drafted on the host from the prompt, the
-      # group's siblings so far and earlier responses to the same prompt, e.g.
-      # "history_chain4,history_chain8"; offered to the tuner beside off (and tlt.arms when
-      # tlt.enabled), with or without a learned drafter. "" = none
+      # model-free SD arms, offered to the tuner beside off (and tlt.arms when tlt.enabled),
+      # with or without a learned drafter; "" = none. history_chainN: chains drafted on the
+      # host (rollout/history.py) from the prompt, the group's siblings so far and earlier
+      # responses to the same prompt, one verify round per program call. lookup_chainN: chains
+      # looked up on device (rollout/steps.py) in the bucket's rows and a bank of recent
+      # responses, chunk_steps rounds per call. E.g. "lookup_chain4,history_chain4"
       history_arms="",
       # also draft from a global suffix trie over this many recent response tokens of every
       # prompt (when the group's own text matches nothing); 0 = the group's text only
-      history_global_tokens=0))
+      history_global_tokens=0,
+      # recent finished responses kept on device for the lookup arms to draft from
+      lookup_bank=16))
   c.tlt = ml_collections.ConfigDict(dict(
       enabled=False,  # speculative decoding with the tuner and an EAGLE drafter
       arms="chain2,chain4",  # SD arms the tuner may pick, besides off (chainN, treeD_K_V)
@@ -300,17 +304,20 @@ def _arm_problems(t: ml_collections.ConfigDict) -> list[str]:
 
 
 def _history_problems(r: ml_collections.ConfigDict) -> list[str]:
-  """rollout.history_arms must name history chains only (learned arms go in tlt.arms)."""
+  """rollout.history_arms must name model-free chains only (learned arms go in tlt.arms)."""
   try:
     arms = [a for a in tuner.parse_arms(r.history_arms) if a.depth]
   except ValueError as e:
     return [f"rollout.history_arms={r.history_arms!r}: {e}"]
-  problems = [f"rollout.history_arms={r.history_arms!r}: {a.name!r} is not a history arm "
-              "(history_chainN; learned-drafter arms go in tlt.arms)"
-              for a in arms if not a.is_history]
+  problems = [f"rollout.history_arms={r.history_arms!r}: {a.name!r} is not a model-free arm "
+              "(history_chainN or lookup_chainN; learned-drafter arms go in tlt.arms)"
+              for a in arms if a.needs_drafter]
   if r.history_global_tokens < 0:
     problems.append(f"rollout.history_global_tokens={r.history_global_tokens} must be >= 0 "
                     "(0 = no global trie)")
+  if r.lookup_bank < 0:
+    problems.append(f"rollout.lookup_bank={r.lookup_bank} must be >= 0 (0 = the bucket's rows "
+                    "only)")
   return problems
 
 

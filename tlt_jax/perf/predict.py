@@ -91,10 +91,15 @@ def round_cost(cfg: ModelConfig, arm: Arm | Strategy, rows: int, context: float,
   A history arm (`rollout.history`, drafted on the host) runs no drafter forward: its round is
   the verify alone, but it is one program call per round (the next drafts continue the tokens
   this round accepts, which only the device knows), not 1/chunk_steps of one; its host drafting
-  (~10 us per row, bench_history) is left out."""
+  (~10 us per row, bench_history) is left out. A lookup arm (drafted on device inside a decode
+  chunk) is the verify alone at the stack's per-round calls; its search, integer compares over
+  the bucket's rows and the bank, is left out too."""
   if getattr(arm, "is_history", False):
     return (cm.forward(cfg, rows, arm.verify_tokens, context, tp=tp, calls=0.0)
             + cm.Cost(calls=HISTORY_ROUND_CALLS))
+  if getattr(arm, "is_lookup", False):
+    return (cm.forward(cfg, rows, arm.verify_tokens, context, tp=tp, calls=0.0)
+            + cm.Cost(calls=stack.round_calls_fixed))
   d, width = arm.depth, max(arm.topk, 1)
   kw = dict(tp=tp, eagle3=stack.eagle3, draft_vocab=stack.draft_vocab, calls=0.0)
   levels = d - 1 if stack.extend_is_first_draft else d

@@ -38,6 +38,11 @@ class EngineConfig:
   # rejection sampling is exact in distribution for any proposal. So it may run on XLA's fast
   # kernels whatever the target's numerics ("policy" = the target's own mode).
   drafter_numerics: str = "xla"
+  # Lookup arms (`lookup_chainN`, drafted on device): the longest match of a row's newest
+  # tokens they look for (up to this many), and how many recent finished responses the engine
+  # keeps on device for them to draft from besides the bucket's own rows.
+  lookup_max_order: int = 4
+  lookup_bank: int = 16
 
   def __post_init__(self):
     if self.verification not in VERIFICATION_MODES:
@@ -49,6 +54,9 @@ class EngineConfig:
       raise ValueError(f"buckets must be increasing positive sizes, got {self.buckets}")
     if self.max_prompt_len < 1 or self.max_new_tokens < 1 or self.chunk_steps < 1:
       raise ValueError("max_prompt_len, max_new_tokens and chunk_steps must be >= 1")
+    if self.lookup_max_order < 1 or self.lookup_bank < 0:
+      raise ValueError(f"lookup_max_order must be >= 1 (got {self.lookup_max_order}) and "
+                       f"lookup_bank >= 0 (got {self.lookup_bank})")
     if self.verification == "rejection" and any(a.is_tree for a in self.arms):
       raise ValueError("tree arms support verification='gumbel' only")
 
@@ -65,7 +73,7 @@ class EngineConfig:
         sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
         compaction=r.compaction, seed=c.seed, arms=tuple(arms),
         drafter_numerics=c.tlt.drafter_numerics,
-        stop_strings=tuple(c.rollout.stop_strings))
+        stop_strings=tuple(c.rollout.stop_strings), lookup_bank=r.lookup_bank)
 
   @property
   def max_depth(self) -> int:
@@ -84,7 +92,7 @@ class EngineConfig:
 
 def config_arms(c: ml_collections.ConfigDict, learned: bool) -> tuple[Arm, ...]:
   """The decoding strategies of a run config: off, `tlt.arms` when a learned drafter serves
-  (`learned`), and `rollout.history_arms` (model-free: no drafter needed)."""
+  (`learned`), and `rollout.history_arms` (model-free, history or lookup: no drafter needed)."""
   arms = parse_arms(c.tlt.arms) if learned else (Arm(OFF),)
   names = {a.name for a in arms}
   return arms + tuple(a for a in parse_arms(c.rollout.history_arms)[1:] if a.name not in names)

@@ -1,6 +1,7 @@
 """Rollout engine: slots padded to batch buckets, on-device decode chunks, continuous batching,
 compaction into smaller buckets, and chain / tree speculative decoding with an EAGLE-style
-drafter or with chains drafted on the host from the group's own text (`rollout.history`).
+drafter, with chains drafted on the host from the group's own text (`rollout.history`), or
+with chains looked up on device in the bucket's rows and a bank of recent responses.
 
 One rollout, as the host sees it:
   pending samples -> prefill into free slots -> decode chunk (N steps on device, plain or SD)
@@ -13,15 +14,19 @@ each live row's tokens, asks the history drafter for its chain, and passes the d
 round per round trip, because the next round's drafts continue the tokens this round accepts,
 which only the device knows (the learned drafter avoids the trip by drafting on device); drafts
 fixed for several rounds would only be right while every draft is accepted, i.e. they would be
-one longer chain. The device programs it calls are `rollout.steps` (where the
-exactness argument lives: slot, bucket, chunk size, refill order and compaction change no token),
-built ahead of time per (phase, bucket, strategy) by `rollout.programs.ProgramPool` and called
-as compiled executables, so nothing compiles inside a timed rollout after `warm_up`.
+one longer chain. A lookup arm's chunk avoids the trip the learned drafter's way: its drafts
+are looked up on device, round by round (`steps._lookup_drafts`); the host only keeps the bank
+of the `lookup_bank` most recently finished responses they also read. The device programs it
+calls are `rollout.steps` (where the exactness argument lives: slot, bucket, chunk size,
+refill order and compaction change no token), built ahead of time per (phase, bucket,
+strategy) by `rollout.programs.ProgramPool` and called as compiled executables, so nothing
+compiles inside a timed rollout after `warm_up`.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
 from typing import Callable
@@ -58,11 +63,17 @@ class ChunkTrace:
   emitted: int
   rounds: int
   host_s: float = 0.0  # of `seconds`, the host's history drafting (token reads included)
+  row_rounds: int = 0  # rounds summed over the rows active in each (a row emits >= 1 per round)
 
   @property
   def accept_len(self) -> float:
     """Tokens emitted per live row per decode round (1.0 for plain decode)."""
     return self.emitted / max(self.live * self.rounds, 1)
+
+
+def _ready_time(x: jax.Array) -> float:
+  x.block_until_ready()
+  return time.perf_counter()
 
 
 class RolloutEngine:
@@ -94,6 +105,20 @@ class RolloutEngine:
     self.trace: list[ChunkTrace] = []
     self.target_tokens_processed = 0  # prefill + decode + verify tokens through the target
     self.prefill_rows = 0  # prompts prefilled (a mid-rollout SD switch must not add any)
+    # The lookup arms' bank: the newest finished responses (a ring), put on the devices when
+    # a lookup chunk first needs it after a change.
+    self._bank = (np.zeros((cfg.lookup_bank, cfg.max_new_tokens), np.int32),
+                  np.zeros((cfg.lookup_bank,), np.int32))
+    self._bank_next = 0
+    self._bank_on_device = None
+    # A chunk's time is its own: dispatch to results ready, stamped by a thread that waits on
+    # them. The host loop may be busy elsewhere when they become ready (interleaving other
+    # rollout groups: `rollout.groups`), and charging that wait to the chunk made every arm look
+    # as slow as the slowest chunk any group ran meanwhile: with two groups, a plain chunk timed
+    # across the other group's 9-token verify rounds lost to it, and the tuner chose SD for
+    # 100% of chunks while the rollout ran 0.71x.
+    self._ready_clock = concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="tlt-chunk-clock")
 
   def update_policy(self, target: Transformer) -> None:
     """Serve new target weights (e.g. after an RL update; same shapes: no recompile)."""
@@ -142,9 +167,10 @@ class RolloutEngine:
               seed: int | None = None,
               on_finish: Callable[[Sample], None] | None = None,
               first_sample_id: int = 0):
-    """`generate` as a generator: it yields right after dispatching each decode chunk (before
-    waiting for it), so a host loop can interleave the rollouts of several engines on disjoint
-    devices, or other device work; the samples are its return value.
+    """`generate` as a generator: it yields (bucket, live rows, a Future of the time the chunk's
+    results are ready) right after dispatching each decode chunk (before waiting for it), so a
+    host loop can interleave the rollouts of several engines on disjoint devices, or other
+    device work, resuming each when its chunk is ready; the samples are its return value.
 
     arm: force a strategy ("off", "chain4", ...) instead of the tuner's choice;
     sd_after_rounds: plain decode for that many chunks before the tuner may pick SD (tests the
@@ -188,18 +214,22 @@ class RolloutEngine:
         host_s = time.perf_counter() - t0
         slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
                                                      slots, seed, drafts)
+      elif chosen.is_lookup:
+        slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
+                                                     slots, seed, *self._bank_arrays())
       else:
         slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
                                                      slots, seed)
-      yield bucket, live  # dispatched, not waited for
+      ready_at = self._ready_clock.submit(_ready_time, slots.done)
+      yield bucket, live, ready_at  # dispatched, not waited for
       done = np.asarray(slots.done)
-      dt = time.perf_counter() - t0
+      dt = ready_at.result() - t0
       emitted, rounds, row_rounds = int(emitted), int(rounds), int(row_rounds)
       self.target_tokens_processed += bucket * rounds * chosen.verify_tokens
       # Mean rows active per round: a row that finished in round 2 of 8 is not charged 8.
       self.tuner.update(bucket, chosen, emitted, dt, row_rounds / max(rounds, 1))
       self.trace.append(ChunkTrace(t0 - t_start, dt, bucket, live, chosen.name, emitted, rounds,
-                                   host_s))
+                                   host_s, row_rounds))
       chunks += 1
       if cfg.stop_strings:
         slots, done = self._apply_stop_strings(slots, done, row_sample, stopped, bucket)
@@ -230,6 +260,26 @@ class RolloutEngine:
       chain = self.history.propose(sid, depth)
       drafts[r, :len(chain)] = chain
     return drafts
+
+  def _bank_arrays(self):
+    if self._bank_on_device is None:
+      # Copies: on CPU a device_put may alias the numpy buffers, which `_bank_add` rewrites.
+      bank = tuple(a.copy() for a in self._bank)
+      placement = self.pool.placement
+      self._bank_on_device = (jax.device_put(bank, placement) if placement is not None
+                              else jax.device_put(bank))
+    return self._bank_on_device
+
+  def _bank_add(self, tokens: np.ndarray) -> None:
+    tokens_H, len_H = self._bank
+    if not len(len_H):
+      return
+    i = self._bank_next
+    tokens_H[i] = 0
+    tokens_H[i, :len(tokens)] = tokens
+    len_H[i] = len(tokens)
+    self._bank_next = (i + 1) % len(len_H)
+    self._bank_on_device = None
 
   def _refill(self, slots, bucket, row_sample, row_prompt, pending, seed):
     free = [r for r, s in enumerate(row_sample) if s is None]
@@ -296,6 +346,7 @@ class RolloutEngine:
       row_sample[r] = None
       if self.history is not None:
         self.history.finish(sid, toks)
+      self._bank_add(toks)
       if on_finish is not None:
         on_finish(results[sid])
 

@@ -3,8 +3,10 @@
 
 A rollout batch is cut into contiguous shares, one per group, decoded under the batch's own
 sample ids (so the tokens are exactly those of one engine decoding the whole batch). The host
-steps every group's `RolloutEngine.rollout` generator in turn; each call dispatches one decode
-chunk and returns without waiting, so the groups' chunks run concurrently on their devices.
+steps each group's `RolloutEngine.rollout` generator as soon as that group's chunk in flight is
+ready (not in turn: a group whose chunk finished would idle behind a slower one); each step
+dispatches the group's next decode chunk and returns without waiting, so the groups' chunks run
+concurrently on their devices.
 When a group has no live sequence left, its devices are idle until the barrier (the slowest
 group): they are lent to a `tlt.spot.SpotTrainer`, which dispatches one drafter training step
 per round there while the other groups keep decoding. At the barrier training stops between
@@ -14,6 +16,7 @@ steps (at most the one step in flight is waited for).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -122,15 +125,24 @@ class GroupedRollout:
     max_steps = spot.cfg.max_steps_per_rollout if spot is not None else 0
     share = {g: len(idx) * group_size for g, idx in enumerate(shares)}
     live_share = {g: 1.0 for g in runs}
+    ready: dict[int, concurrent.futures.Future] = {}  # when each group's chunk in flight is done
+
+    def advance(g: int) -> None:
+      try:
+        _, live, ready[g] = next(runs[g])
+        live_share[g] = live / share[g]
+      except StopIteration as done:
+        results.extend(done.value)
+        finish_s[g] = time.perf_counter() - start
+        del runs[g]
+
+    for g in list(runs):
+      advance(g)
     while runs:
-      for g in list(runs):
-        try:
-          _, live = next(runs[g])
-          live_share[g] = live / share[g]
-        except StopIteration as done:
-          results += done.value
-          finish_s[g] = time.perf_counter() - start
-          del runs[g]
+      done_now, _ = concurrent.futures.wait([ready[g] for g in runs],
+                                            return_when=concurrent.futures.FIRST_COMPLETED)
+      for g in [g for g in runs if ready[g] in done_now]:
+        advance(g)
       if spot is not None and spot.has_data and runs and (not max_steps or
                                                            report.drafter_steps < max_steps):
         idle = [g for g in range(G) if g not in runs or live_share[g] < min_live_share]

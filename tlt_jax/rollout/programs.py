@@ -56,7 +56,8 @@ class ProgramPool:
   """Compiled executables per (phase, bucket, strategy), built once by `warm_up`.
 
   Each SD arm's program is built only for the buckets the tuner may choose it in; a history
-  arm's decode program is one verify round that takes its drafts as an input.
+  arm's decode program is one verify round that takes its drafts as an input; a lookup arm's
+  takes the bank of recent responses it drafts from.
 
   placement: where every program runs and every array lives, a data-parallel rollout group's
   devices (None = JAX's default device). Without tensor parallelism everything is replicated
@@ -182,6 +183,15 @@ class ProgramPool:
                             split_model=True, donate_argnums=(2,))
         return program.lower(self.params, self.draft_params, slots, i32, drafts)
 
+      if arm.is_lookup:  # a chunk of rounds drafted on device, from the rows and the bank
+        def fn(params, draft_params, s, seed, bank, bank_len):
+          target, drafter = self._models(params, draft_params)
+          return steps.decode_chunk(target, drafter, cfg, arm, s, seed, bank, bank_len)
+        bank = self.bank_shape()
+        program = self._jit(fn, (*models, slots_specs, P(), P(), P()),
+                            (slots_specs, P(), P(), P()), split_model=True, donate_argnums=(2,))
+        return program.lower(self.params, self.draft_params, slots, i32, *bank)
+
       def fn(params, draft_params, s, seed):
         target, drafter = self._models(params, draft_params)
         return steps.decode_chunk(target, drafter, cfg, arm, s, seed)
@@ -207,6 +217,11 @@ class ProgramPool:
     if phase == "hidden_row":
       return self._jit(lambda h, r: h[r], (P(), P()), P()).lower(slots.out_hidden, i32)
     raise KeyError(key)
+
+  def bank_shape(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The lookup arms' bank of recent responses: tokens [H, N] and lengths [H]."""
+    H, N = self.cfg.lookup_bank, self.cfg.max_new_tokens
+    return (jax.ShapeDtypeStruct((H, N), jnp.int32), jax.ShapeDtypeStruct((H,), jnp.int32))
 
   def slots_shape(self, bucket: int):
     if bucket not in self._shapes:

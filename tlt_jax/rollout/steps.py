@@ -4,10 +4,11 @@
 
   prefill       a bucket of prompts -> fresh slots (first token sampled, drafter cache filled)
   decode_chunk  up to `chunk_steps` rounds on device: plain steps, or chain (`_sd_step`) or tree
-                (`_tree_step`) speculative rounds, both ending in `_commit`; after a plain chunk
-                the drafter's cache catches up in one forward (`_drafter_catch_up`)
+                (`_tree_step`) speculative rounds, both ending in `_commit`, or lookup rounds
+                (`_lookup_drafts` then `_verify_drafts`); after a plain chunk the drafter's
+                cache catches up in one forward (`_drafter_catch_up`)
   history_round one chain round whose drafts come from the host (`rollout.history`), verified
-                and committed like `_sd_step`'s
+                and committed by `_verify_drafts`
   insert / compact / empty   move rows between buckets (refill, compaction), start a bucket
 
 Exactness (with `numerics="batch_invariant"`): the slot a sample occupies, the bucket, the
@@ -17,9 +18,10 @@ equals the target's own Gumbel-argmax at that position, and the target's token i
 the first mismatch. In a tree, each node attends its own path laid out at the slots plain
 decoding would use (`kv_index`), and the accepted path's KV is moved to consecutive slots.
 `rejection` verification (chains) is classic speculative sampling (exact in distribution only).
-History drafts are verified the gumbel way whatever `verification` says: for a deterministic
-draft d, speculative sampling accepts with probability p(d), which is exactly the probability
-that the target's own Gumbel sample is d, so nothing is lost and the output stays bitwise plain.
+History and lookup drafts are verified the gumbel way whatever `verification` says: for a
+deterministic draft d, speculative sampling accepts with probability p(d), which is exactly the
+probability that the target's own Gumbel sample is d, so nothing is lost and the output stays
+bitwise plain.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Slots(NamedTuple):
   out_tokens: jax.Array   # [B, N]
   out_logprobs: jax.Array  # [B, N]
   out_hidden: jax.Array   # [B, N, D] hidden state whose logits produced each emitted token
+  prompt_tokens: jax.Array  # [B, P] the prompt (what lookup drafts read besides the response)
 
 
 def _write_rows(buf, rows_B, cols_B, values, valid_B):
@@ -89,7 +92,8 @@ def prefill(target, drafter, cfg: EngineConfig, prompts_BxP, lengths_B, sample_i
       live=jnp.ones((B,), bool),
       out_tokens=jnp.zeros((B, N), jnp.int32).at[:, 0].set(token),
       out_logprobs=jnp.zeros((B, N), jnp.float32).at[:, 0].set(logp),
-      out_hidden=jnp.zeros((B, N, D), hidden_BxD.dtype).at[:, 0].set(hidden_BxD))
+      out_hidden=jnp.zeros((B, N, D), hidden_BxD.dtype).at[:, 0].set(hidden_BxD),
+      prompt_tokens=prompts_BxP)
 
 
 def _is_eos(token_B, cfg: EngineConfig):
@@ -208,12 +212,19 @@ def _commit(target, drafter, cfg, s: Slots, cache, draft_cache, emitted_BxK1, ac
 
 
 def history_round(target, drafter, cfg: EngineConfig, s: Slots, seed, drafts_BxK):
-  """One chain round with drafts from the host: the target sees [token, d_1..d_K] at slots
-  pos..pos+K, a draft is accepted while it equals the target's own Gumbel sample there (the
-  token plain decoding would emit), and the target's token is emitted at the first mismatch.
-  Returns (slots, tokens emitted, rounds = 1, row-rounds), as `decode_chunk` does."""
-  B, depth = drafts_BxK.shape
+  """One chain round with drafts from the host (`_verify_drafts`). Returns (slots, tokens
+  emitted, rounds = 1, row-rounds), as `decode_chunk` does."""
   row_rounds = jnp.sum(s.live & ~s.done).astype(jnp.int32)
+  s, emitted = _verify_drafts(target, drafter, cfg, s, seed, drafts_BxK)
+  return s, emitted, jnp.int32(1), row_rounds
+
+
+def _verify_drafts(target, drafter, cfg: EngineConfig, s: Slots, seed, drafts_BxK):
+  """One chain round over drafts made without the drafter: the target sees [token, d_1..d_K]
+  at slots pos..pos+K, a draft is accepted while it equals the target's own Gumbel sample
+  there (the token plain decoding would emit), and the target's token is emitted at the first
+  mismatch."""
+  B, depth = drafts_BxK.shape
   K1 = depth + 1
   greedy = cfg.sampling.temperature == 0.0
   out = target(jnp.concatenate([s.token[:, None], drafts_BxK], axis=1), cache=s.cache,
@@ -225,9 +236,59 @@ def history_round(target, drafter, cfg: EngineConfig, s: Slots, seed, drafts_BxK
   ).reshape(B, K1)
   accept_BxK = drafts_BxK == target_tok[:, :depth]
   accepted = jnp.sum(jnp.cumprod(accept_BxK.astype(jnp.int32), axis=1), axis=1)
-  s, emitted = _commit(target, drafter, cfg, s, out.cache, s.draft_cache, target_tok, accepted,
-                       target_masked.reshape(B, K1, -1), out.hidden_BxTxD, extend_current=True)
-  return s, emitted, jnp.int32(1), row_rounds
+  return _commit(target, drafter, cfg, s, out.cache, s.draft_cache, target_tok, accepted,
+                 target_masked.reshape(B, K1, -1), out.hidden_BxTxD, extend_current=True)
+
+
+def _row_sequences(s: Slots):
+  """([B, P + N] each row's prompt then its response so far, left-aligned; [B] lengths)."""
+  P, N = s.prompt_tokens.shape[1], s.out_tokens.shape[1]
+  prompt_len = s.pos - s.gen + 1  # `pos` is where `token` (response token gen - 1) goes
+  i = jnp.arange(P + N)
+  from_prompt = s.prompt_tokens[:, jnp.clip(i, 0, P - 1)]
+  from_response = jnp.take_along_axis(
+      s.out_tokens, jnp.clip(i[None, :] - prompt_len[:, None], 0, N - 1), axis=1)
+  in_prompt = i[None, :] < prompt_len[:, None]
+  return jnp.where(in_prompt, from_prompt, from_response), prompt_len + s.gen
+
+
+def _lookup_drafts(s: Slots, bank_HxN, bank_len_H, depth: int, max_order: int):
+  """[B, depth] drafts, each row's continuation of the longest match (up to `max_order`
+  tokens) of its own last tokens, looked up in every row of the bucket (its own text
+  included: prompt and response so far) and in the bank of recent responses.
+
+  Candidates are scored by match length, then by how many of the `depth` continuation tokens
+  they have; ties go to the first (the bucket's rows before the bank, earlier positions
+  first). A row with no match drafts zeros, which verification rejects unless the target
+  would emit them. Cost per round: O(B * (B + H) * (P + N) * max_order) comparisons, done
+  on device between two verifies, so a chunk of lookup rounds is one program call."""
+  seq_BxL, len_B = _row_sequences(s)
+  B, L = seq_BxL.shape
+  H, N = bank_HxN.shape
+  bank_HxL = jnp.pad(bank_HxN, ((0, 0), (0, max(L - N, 0))))[:, :L]
+  corpus_RxL = jnp.concatenate([seq_BxL, bank_HxL], axis=0)
+  corpus_len_R = jnp.concatenate([len_B, jnp.minimum(bank_len_H, L)])
+  j = jnp.arange(L)
+  # key[b, i]: row b's i-th token from the end (i = 0 is its newest).
+  key_idx_BxM = len_B[:, None] - 1 - jnp.arange(max_order)[None, :]
+  key_BxM = jnp.take_along_axis(seq_BxL, jnp.maximum(key_idx_BxM, 0), axis=1)
+  # match_len[b, r, j]: how many of row b's newest tokens end at corpus[r, j] (consecutive).
+  run_BxRxL = jnp.ones((B, corpus_RxL.shape[0], L), bool)
+  match_len_BxRxL = jnp.zeros(run_BxRxL.shape, jnp.int32)
+  for i in range(max_order):
+    shifted_RxL = jnp.roll(corpus_RxL, i, axis=1)  # [r, j] = corpus[r, j - i]
+    eq = shifted_RxL[None] == key_BxM[:, i, None, None]
+    run_BxRxL = run_BxRxL & eq & (j >= i)[None, None, :] & (key_idx_BxM[:, i] >= 0)[:, None, None]
+    match_len_BxRxL = match_len_BxRxL + run_BxRxL
+  avail_RxL = corpus_len_R[:, None] - 1 - j[None, :]  # tokens after position j
+  score = match_len_BxRxL * (depth + 1) + jnp.minimum(avail_RxL, depth)[None]
+  score = jnp.where((match_len_BxRxL > 0) & (avail_RxL > 0)[None], score, -1)
+  best = jnp.argmax(score.reshape(B, -1), axis=1)
+  found = jnp.max(score.reshape(B, -1), axis=1) >= 0
+  r_B, j_B = best // L, best % L
+  cols_BxK = jnp.clip(j_B[:, None] + 1 + jnp.arange(depth)[None, :], 0, L - 1)
+  drafts_BxK = corpus_RxL[r_B[:, None], cols_BxK]
+  return jnp.where(found[:, None], drafts_BxK, 0).astype(jnp.int32)
 
 
 def _path_layout(pos_B, ancestors_BxTxA, depth_BxT, num_slots):
@@ -370,11 +431,13 @@ def _rejection_emit(s: Slots, seed, depth, drafts_BxK, draft_masked, target_mask
   return emitted, accept
 
 
-def decode_chunk(target, drafter, cfg: EngineConfig, arm: Arm, s: Slots, seed):
+def decode_chunk(target, drafter, cfg: EngineConfig, arm: Arm, s: Slots, seed, bank_HxN=None,
+                 bank_len_H=None):
   """Up to `chunk_steps` rounds on device; stops early when no row is active. Returns (slots,
   tokens emitted, rounds, row-rounds): row-rounds counts each row once per round it was active
   in, what the tuner divides by (rows that finish inside a chunk are not charged its later
-  rounds, so long chunks and one-round ones compare fairly)."""
+  rounds, so long chunks and one-round ones compare fairly). bank: recent responses [H, N] and
+  their lengths [H], what a lookup arm drafts from besides the bucket's rows."""
 
   def cond(carry):
     step, s, _, _ = carry
@@ -383,7 +446,10 @@ def decode_chunk(target, drafter, cfg: EngineConfig, arm: Arm, s: Slots, seed):
   def body(carry):
     step, s, emitted, row_rounds = carry
     row_rounds = row_rounds + jnp.sum(s.live & ~s.done).astype(jnp.int32)
-    if arm.is_tree:
+    if arm.is_lookup:
+      drafts = _lookup_drafts(s, bank_HxN, bank_len_H, arm.depth, cfg.lookup_max_order)
+      s, n = _verify_drafts(target, drafter, cfg, s, seed, drafts)
+    elif arm.is_tree:
       s, n = _tree_step(target, drafter, cfg, arm, s, seed)
     elif arm.depth:
       s, n = _sd_step(target, drafter, cfg, arm.depth, s, seed)

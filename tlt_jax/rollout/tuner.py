@@ -8,8 +8,9 @@ counted at the chunk's start, rows that finish early in an 8-round plain chunk d
 and one-round history chunks won the long tail while decoding it 2.9x slower (bench_rollout).
 Each batch bucket has its own bandit over the arms allowed there (speculative arms whose verify
 tokens x bucket exceed the memory bound are not offered), plus `off` (plain decode). Unseen
-arms are tried first. History arms (chains drafted on the host, `rollout.history`) compete like
-the others: their chunk time includes the host's drafting. The state is plain data (`state_dict` /
+arms are tried first. History arms (chains drafted on the host, `rollout.history`) and lookup
+arms (chains looked up on device in the bucket's own rows, `rollout.steps`) compete like the
+others: a history chunk's time includes the host's drafting. The state is plain data (`state_dict` /
 `load_state_dict`) so it is checkpointed with the run.
 """
 
@@ -22,15 +23,18 @@ import re
 import numpy as np
 
 OFF = "off"
-LEARNED, HISTORY = "learned", "history"
+LEARNED, HISTORY, LOOKUP = "learned", "history", "lookup"
+MODEL_FREE = (HISTORY, LOOKUP)
 
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
   """A decode strategy: plain (depth 0), a chain of `depth` drafts, or a tree of `depth` levels
   with `topk` children per node of which `verify` tokens (root included) go to the target.
-  drafter: who drafts, the learned drafter on device or the history drafter
-  (`rollout.history`) on the host (chains only)."""
+  drafter: who drafts: the learned drafter on device, the history drafter (`rollout.history`)
+  on the host, one round per program call, or the lookup drafter, on device inside a decode
+  chunk (the longest match of each row's last tokens in the bucket's rows and a bank of recent
+  responses, `rollout.steps._lookup_drafts`). The two model-free ones draft chains only."""
   name: str
   depth: int = 0
   topk: int = 0    # 0 = chain
@@ -38,10 +42,10 @@ class Arm:
   drafter: str = LEARNED
 
   def __post_init__(self):
-    if self.drafter not in (LEARNED, HISTORY):
-      raise ValueError(f"arm {self.name}: drafter must be {LEARNED!r} or {HISTORY!r}")
-    if self.drafter == HISTORY and (self.topk or not self.depth):
-      raise ValueError(f"arm {self.name}: history arms are chains of depth >= 1")
+    if self.drafter not in (LEARNED, *MODEL_FREE):
+      raise ValueError(f"arm {self.name}: drafter must be one of {(LEARNED, *MODEL_FREE)}")
+    if self.drafter in MODEL_FREE and (self.topk or not self.depth):
+      raise ValueError(f"arm {self.name}: {self.drafter} arms are chains of depth >= 1")
     if self.topk and not 2 <= self.verify <= 1 + self.depth * self.topk:
       raise ValueError(f"arm {self.name}: a tree of depth {self.depth} x top-{self.topk} has "
                        f"{1 + self.depth * self.topk} nodes; verify={self.verify} must be in "
@@ -52,9 +56,13 @@ class Arm:
     return self.drafter == HISTORY
 
   @property
+  def is_lookup(self) -> bool:
+    return self.drafter == LOOKUP
+
+  @property
   def needs_drafter(self) -> bool:
     """Whether the arm needs the learned drafter."""
-    return self.depth > 0 and not self.is_history
+    return self.depth > 0 and self.drafter == LEARNED
 
   @property
   def is_tree(self) -> bool:
@@ -84,9 +92,13 @@ def history_arm(depth: int) -> Arm:
   return Arm(f"history_chain{depth}", depth, drafter=HISTORY)
 
 
+def lookup_arm(depth: int) -> Arm:
+  return Arm(f"lookup_chain{depth}", depth, drafter=LOOKUP)
+
+
 def parse_arms(spec: str) -> tuple[Arm, ...]:
-  """'chain2,tree6_4_32,history_chain4' -> (off, chain2, tree6_4_32, history_chain4): `off` is
-  always an arm."""
+  """'chain2,tree6_4_32,history_chain4,lookup_chain4' -> (off, chain2, tree6_4_32,
+  history_chain4, lookup_chain4): `off` is always an arm."""
   arms = [Arm(OFF)]
   for name in (n.strip() for n in spec.split(",") if n.strip()):
     if re.fullmatch(r"chain\d+", name):
@@ -95,9 +107,11 @@ def parse_arms(spec: str) -> tuple[Arm, ...]:
       arms.append(tree_arm(*(int(x) for x in name[4:].split("_"))))
     elif re.fullmatch(r"history_chain\d+", name):
       arms.append(history_arm(int(name[13:])))
+    elif re.fullmatch(r"lookup_chain\d+", name):
+      arms.append(lookup_arm(int(name[12:])))
     elif name != OFF:
-      raise ValueError(f"unknown SD arm {name!r}: use chainN, treeDEPTH_TOPK_VERIFY or "
-                       "history_chainN")
+      raise ValueError(f"unknown SD arm {name!r}: use chainN, treeDEPTH_TOPK_VERIFY, "
+                       "history_chainN or lookup_chainN")
   return tuple(arms)
 
 
