@@ -17,8 +17,11 @@ run (the untimed runs decoded the same tokens: they would be drafts that cannot 
 batches are distinct random prompts with one sample each, so there are no siblings and no
 earlier responses to the same prompt: the case where a history drafter has least to draft from
 (`bench_history` measures GRPO-shaped groups and revisits). In the long tail,
-`compaction_history` is compaction with the tuner free over off and the history arms, having
+`compaction_history` is compaction with the tuner free over off and the model-free arms, having
 explored on other seeds, its history cleared before the timed run.
+Lookup arms (`lookup_chainN`: chains looked up on device in the bucket's rows and a bank of recent
+responses, `chunk_steps` rounds per program call) run on the history engine too, measured the same
+way (`lookup`: the best lookup arm per batch size), their bank emptied with the history.
 Prints one JSON object and writes experiments/results/rollout.json.
 """
 
@@ -44,7 +47,7 @@ from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.history import HistoryDrafter
-from tlt_jax.rollout.tuner import OFF, default_arms, history_arm, tree_arm
+from tlt_jax.rollout.tuner import OFF, default_arms, history_arm, lookup_arm, tree_arm
 from tlt_jax.tlt.drafter_trainer import train_on_sequences
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -77,6 +80,8 @@ def copy_bandwidth_gbs() -> float:
 
 
 def fresh_history(engine: RolloutEngine) -> None:
+  """Forget every response the model-free drafters could draft from (history and bank)."""
+  engine.clear_bank()
   engine.history = HistoryDrafter(global_tokens=HISTORY_GLOBAL_TOKENS)
 
 
@@ -85,7 +90,7 @@ def measure(engine: RolloutEngine, batch: list[list[int]], arm: str) -> dict:
   rounds = [t for t in trace if t.arm == arm]
   out = dict(tokens_per_s=tps, accept_len=sum(t.emitted for t in rounds) / max(
       sum(t.live * t.rounds for t in rounds), 1))
-  if engine.history is not None and rounds and arm != OFF:
+  if engine.history is not None and rounds and arm.startswith("history"):
     out["host_ms_per_round"] = 1e3 * sum(t.host_s for t in rounds) / len(rounds)
   return out
 
@@ -130,7 +135,8 @@ def main() -> None:
   engine = RolloutEngine(target, cfg, drafter)
   engine.pool.warm_up()
   hist_engine = RolloutEngine(target, dataclasses.replace(
-      cfg, arms=(arms[0],) + tuple(history_arm(d) for d in HISTORY_DEPTHS)))
+      cfg, arms=(arms[0],) + tuple(history_arm(d) for d in HISTORY_DEPTHS)
+      + tuple(lookup_arm(d) for d in HISTORY_DEPTHS)))
   fresh_history(hist_engine)
   hist_engine.pool.warm_up()
   per_bucket = []
@@ -152,18 +158,21 @@ def main() -> None:
       fresh_history(hist_engine)
       by_arm[arm] = measure(hist_engine, batch, arm)
     plain = by_arm[OFF]["tokens_per_s"]
-    best_hist = max(hist_allowed, key=lambda a: by_arm[a]["tokens_per_s"])
+    best_of = lambda kind: max((a for a in hist_allowed if a.startswith(kind)),
+                               key=lambda a: by_arm[a]["tokens_per_s"])
+    model_free = {kind: dict(arm=best_of(kind), accept_len=by_arm[best_of(kind)]["accept_len"],
+                             tokens_per_s=by_arm[best_of(kind)]["tokens_per_s"],
+                             speedup=by_arm[best_of(kind)]["tokens_per_s"] / plain)
+                  for kind in ("history", "lookup")}
     per_bucket.append(dict(batch_size=b, plain_tokens_per_s=plain,
                            sd_tokens_per_s=by_arm[best]["tokens_per_s"],
                            speedup=by_arm[best]["tokens_per_s"] / plain,
                            accept_len=by_arm[best]["accept_len"], arm=best,
-                           history=dict(arm=best_hist, accept_len=by_arm[best_hist]["accept_len"],
-                                        tokens_per_s=by_arm[best_hist]["tokens_per_s"],
-                                        speedup=by_arm[best_hist]["tokens_per_s"] / plain),
-                           arms=by_arm))
+                           **model_free, arms=by_arm))
     print(f"[bench_rollout] batch {b}: plain {plain:.0f} tok/s, {best} "
-          f"{by_arm[best]['tokens_per_s']:.0f}, {best_hist} "
-          f"{by_arm[best_hist]['tokens_per_s']:.0f}", file=sys.stderr)
+          f"{by_arm[best]['tokens_per_s']:.0f}, "
+          + ", ".join(f"{m['arm']} {m['tokens_per_s']:.0f}" for m in model_free.values()),
+          file=sys.stderr)
 
   # One long-tail batch: 64 samples, Pareto length budgets (most short, a few at the cap).
   budgets = np.minimum(np.ceil(4 * (1 + rng.pareto(1.2, 64))), new_tokens).astype(int).tolist()
@@ -180,7 +189,7 @@ def main() -> None:
     long_tail[name] = time.perf_counter() - start
     if name == "compaction_sd":
       long_tail["trace"] = [dataclasses.asdict(t) for t in eng.trace]
-  for seed in (1, 2, 3):  # the tuner explores the history arms on other seeds' tokens
+  for seed in (1, 2, 3):  # the tuner explores the model-free arms on other seeds' tokens
     hist_engine.generate(tail_prompts, max_new_per_sample=budgets, seed=seed)
   fresh_history(hist_engine)
   hist_engine.trace.clear()

@@ -121,12 +121,14 @@ def test_tlt_changes_nothing_but_time(plain_run, tmp_path):
 
 
 def test_history_arms_change_nothing_but_time(plain_run, tmp_path):
-  """History chains (rollout.history_arms, no learned drafter, tlt off) drafted from each group's
-  siblings and a global trie, across two rollout groups: the run without them, bitwise."""
+  """Model-free chains (rollout.history_arms, no learned drafter, tlt off), drafted on the host
+  from each group's siblings and a global trie (history_chain2) and looked up on device in the
+  bucket's rows and the bank of recent responses (lookup_chain4), across two rollout groups: the
+  run without them, bitwise."""
   off_dir, _ = plain_run
   c = _short_config(tmp_path / "hist", 2)
   c.rollout.groups = 2
-  c.rollout.history_arms, c.rollout.history_global_tokens = "history_chain2,history_chain4", 256
+  c.rollout.history_arms, c.rollout.history_global_tokens = "history_chain2,lookup_chain4", 256
   on = train.run(c)
   assert not on["tlt"]
   records = metrics.read_jsonl(str(tmp_path / "hist" / "metrics.jsonl"))

@@ -187,18 +187,22 @@ HISTORY_ACCEPT = {"history_chain2": 1.88, "history_chain4": 2.17, "history_chain
 ACCEPT_SOURCES["history"] = ("history_chain2/4/8 1.88/2.17/2.36: replay of tiny_arith GRPO "
                              "groups through rollout.history (this repo); spot training does not "
                              "change them")
+ACCEPT_SOURCES["lookup"] = ("lookup_chainN: assumed the history_chainN replay's figures (the "
+                            "same prompt and sibling text, a bank of recent responses in place "
+                            "of the global trie; not replayed separately)")
 
 
 def static_accept(arm: Arm) -> float:
-  if arm.is_history:
-    return HISTORY_ACCEPT.get(arm.name, min(HISTORY_ACCEPT["history_chain8"], arm.depth + 1.0))
+  if arm.is_history or arm.is_lookup:
+    depth_name = f"history_chain{arm.depth}"
+    return HISTORY_ACCEPT.get(depth_name, min(HISTORY_ACCEPT["history_chain8"], arm.depth + 1.0))
   if arm.is_tree:
     return min(ADAPTED_TREE_ACCEPT / (1 + TLT_ACCEPT_GAIN), arm.depth + 1.0)
   return STATIC_ACCEPT.get(arm.name, min(1.0 + 0.3 * arm.depth, arm.depth + 1.0))
 
 
 def adapted_accept(arm: Arm) -> float:
-  if arm.is_history:  # the drafter trained on idle devices does not draft for these arms
+  if not arm.needs_drafter:  # the drafter trained on idle devices does not draft for these
     return static_accept(arm)
   return min(static_accept(arm) * (1 + TLT_ACCEPT_GAIN), arm.depth + 1.0)
 
@@ -252,6 +256,7 @@ def breakdown(c, hw: Hardware, *, context: float, train_seq: int,
       if a.verify_tokens * b <= 1024:  # the tuner's memory bound (rollout/tuner.py)
         add(f"verify[{a.name}][{b}]", round_cost(mcfg, a, b, context, tp, stack),
             "one history round: verify of host-drafted tokens, one call" if a.is_history
+            else "one lookup round: verify of drafts looked up on device" if a.is_lookup
             else "one SD round: drafts + verify + drafter catch-up", key="verify", arm=a.name,
             bucket=b, context=context)
   add("drafter forward", cm.drafter_forward(mcfg, rows, 1, context, tp=tp,

@@ -270,6 +270,14 @@ class RolloutEngine:
                               else jax.device_put(bank))
     return self._bank_on_device
 
+  def clear_bank(self) -> None:
+    """Forget the recent responses the lookup arms draft from (e.g. before timing a batch
+    whose own tokens an earlier run put there: drafts that cannot miss)."""
+    for a in self._bank:
+      a[:] = 0
+    self._bank_next = 0
+    self._bank_on_device = None
+
   def _bank_add(self, tokens: np.ndarray) -> None:
     tokens_H, len_H = self._bank
     if not len(len_H):
