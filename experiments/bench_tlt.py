@@ -4,7 +4,7 @@ drafter (the same trajectory, bitwise, in all four).
 
     python -m experiments.bench_tlt [--quick] [--steps N] [--repeats 3]
         [--order baseline,static_drafter,tlt,history] [--variants baseline,history]
-        [--drafter DIR] [--out NAME.json]
+        [--drafter DIR] [--out NAME.json] [--history-arms ARMS] [--groups 2]
 
 Setup: the tiny_arith policy on a longer-tailed mix (more 8- and 16-digit problems, so the tail
 is where rollout time goes), two data-parallel rollout groups on two host devices, gumbel
@@ -14,9 +14,11 @@ verification in batch-invariant numerics. The drafter is warmed up offline first
 finishes first and publishes new versions between steps. `history` has no learned drafter: the
 tuner chooses between plain decoding and history chains (`rollout.history_arms`, drafted on the
 host from each prompt's siblings so far, its earlier responses and a global trie of recent
-responses; `rollout/history.py`). `--variants` runs a subset (no drafter warm-up without
-static_drafter or tlt). Step times exclude compilation (each variant warms its program pool
-before step 1).
+responses; `rollout/history.py`; `--history-arms` offers others, e.g. the lookup arms drafted on
+device). `--groups 1` decodes as one rollout group over both host devices, so no other
+group's chunks share the cores while a chunk is timed. `--variants` runs a subset (no drafter
+warm-up without static_drafter or tlt). Step times exclude compilation (each variant warms its
+program pool before step 1).
 
 On 2 shared cores one run of a phase varies by 10-25%, so one run per variant cannot tell 1.5x
 from 1.7x. Each variant therefore runs `--repeats` times, every run in a fresh process, the
@@ -59,13 +61,13 @@ VARIANTS = {"baseline": (False, False, False), "static_drafter": (True, False, F
 HISTORY_ARMS = "history_chain2,history_chain4,history_chain8"
 
 
-def base_config(steps: int, workdir: str):
+def base_config(steps: int, workdir: str, groups: int = 2):
   c = config_lib.load_config_file(CONFIG)
   c.workdir, c.rl.steps = workdir, steps
   c.data.synthetic_mix = MIX
   c.rollout.prompts_per_step, c.rollout.group_size = 8, 4
   c.rollout.buckets = (1, 2, 4, 8, 16)
-  c.rollout.groups = 2
+  c.rollout.groups = groups
   c.eval.num_problems = 16
   c.checkpoint.every = 0
   c.checkpoint.export_adapter = False
@@ -76,8 +78,8 @@ def base_config(steps: int, workdir: str):
 
 
 def variant_config(name: str, steps: int, workdir: str, drafter_dir: str,
-                   history_arms: str = HISTORY_ARMS):
-  c = base_config(steps, workdir)
+                   history_arms: str = HISTORY_ARMS, groups: int = 2):
+  c = base_config(steps, workdir, groups)
   c.tlt.enabled, c.tlt.spot_training, history = VARIANTS[name]
   if history:
     c.rollout.history_arms = history_arms
@@ -117,11 +119,13 @@ def train_equalized(variants: dict) -> dict[str, float]:
           if name != "baseline"}
 
 
-def run_child(name: str, steps: int, drafter_dir: str, workdir: str, history_arms: str) -> dict:
+def run_child(name: str, steps: int, drafter_dir: str, workdir: str, history_arms: str,
+              groups: int) -> dict:
   """One variant in a fresh process (its own JAX runtime, caches and allocator; the program
   pool loads from the persistent compilation cache after the first run of a variant)."""
   cmd = [sys.executable, "-m", "experiments.bench_tlt", "--variant", name, "--steps", str(steps),
-         "--drafter", drafter_dir, "--workdir", workdir, "--history-arms", history_arms]
+         "--drafter", drafter_dir, "--workdir", workdir, "--history-arms", history_arms,
+         "--groups", str(groups)]
   subprocess.run(cmd, check=True, cwd=ROOT, stdout=sys.stderr)  # stdout: the one JSON object
   with open(os.path.join(workdir, "variant.json")) as f:
     return json.load(f)
@@ -157,6 +161,8 @@ def main() -> None:
   parser.add_argument("--out", default="", help="result file name under experiments/results/")
   parser.add_argument("--history-arms", default=HISTORY_ARMS,
                       help="the history variant's model-free arms (rollout.history_arms)")
+  parser.add_argument("--groups", type=int, default=2, choices=(1, 2),
+                      help="rollout groups over the two host devices (rollout.groups)")
   parser.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)  # child
   parser.add_argument("--workdir", default="", help=argparse.SUPPRESS)  # child
   args = parser.parse_args()
@@ -167,7 +173,8 @@ def main() -> None:
   steps = args.steps or (2 if args.quick else 10)
   if args.variant:  # one variant in this process (see run_child)
     measured = run_variant(args.variant, variant_config(args.variant, steps, args.workdir,
-                                                         args.drafter, args.history_arms))
+                                                         args.drafter, args.history_arms,
+                                                         args.groups))
     with open(os.path.join(args.workdir, "variant.json"), "w") as f:
       json.dump(measured, f)
     return
@@ -204,7 +211,8 @@ def main() -> None:
       for name in this_order:
         workdir = os.path.join(tmp, f"{name}-{r}")
         os.makedirs(workdir)
-        runs[name].append(run_child(name, steps, drafter_dir, workdir, args.history_arms))
+        runs[name].append(run_child(name, steps, drafter_dir, workdir, args.history_arms,
+                                    args.groups))
   trajectories = [run["reward_mean_by_step"] for rs in runs.values() for run in rs]
   variants = {name: aggregate(rs) for name, rs in runs.items()}
   base = variants["baseline"]
@@ -229,7 +237,7 @@ def main() -> None:
                         for run in runs["history"]])
   result = {
       "machine": f"{platform.machine()} {os.cpu_count()} cpus, 2 host devices",
-      "config": "tiny_arith, mix " + MIX + ", 8 prompts x 4 samples, 2 rollout groups",
+      "config": f"tiny_arith, mix {MIX}, 8 prompts x 4 samples, {args.groups} rollout groups",
       "steps": steps,
       "repeats": repeats,
       "orders": orders,

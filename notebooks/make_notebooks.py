@@ -622,10 +622,11 @@ plt.show()'''),
     ("md", '''\
 ## What TLT measured on this CPU
 
-`python -m experiments.bench_tlt` (about 8 minutes, not rerun here): the real RL job on the
-tiny model, a longer-tailed mix, two rollout groups on two host devices, 6 steps per variant:
-SD off, SD with a static warmed-up drafter, and TLT (the drafter also spot-trained on the idle
-group). All three produced the same tokens, rewards and parameters, bitwise.'''),
+`python -m experiments.bench_tlt` (about 21 minutes, not rerun here): the real RL job on the
+tiny model, a longer-tailed mix, two rollout groups on two host devices, 10 steps per variant,
+the medians of 3 runs each: SD off, SD with a static warmed-up drafter, and TLT (the drafter
+also spot-trained on the idle group). All of them produced the same tokens, rewards and
+parameters, bitwise.'''),
     ("code", '''\
 with open("experiments/results/tlt.json") as f:
   tlt = json.load(f)
@@ -650,7 +651,7 @@ for i, n in enumerate(names):
   ax.text(i, v[n]["step_s_total"], f"{v[n]['step_s_total']:.1f} s", ha="center", va="bottom")
 ax.set_xticks(pos, names)
 ax.set_xlabel("variant (same trajectory, bitwise)")
-ax.set_ylabel("seconds over 6 RL steps")
+ax.set_ylabel(f"seconds over {tlt['steps']} RL steps")
 ax.set_title(f"measured on 2 CPU cores: TLT {tlt['speedup_end_to_end']:.2f}x end to end")
 ax.legend()
 fig.tight_layout()
@@ -658,15 +659,15 @@ plt.show()'''),
     ("md", '''\
 ## Why TLT is slower here, and modest in the simulation
 
-On this CPU TLT measured **0.94x** end to end, the static drafter 0.94x (`BENCHMARKS.md`,
-"TLT on this CPU" and "History drafts": `experiments/results/tlt.json`). Speculative decoding
+On this CPU TLT measured **0.93x** end to end, the static drafter 0.92x (`BENCHMARKS.md`,
+"TLT on this CPU" and "Lookup arms": `experiments/results/tlt.json`). Speculative decoding
 does not pay at this width: a drafter pass costs about a quarter of the 4-layer x 128 target's,
 most of a CPU step is per-op overhead, and an accept length below 3 does not cover drafting
 2-4 tokens plus a wider verify. Spot training shares the two cores with the group still
 decoding (the host devices are one CPU, so "idle" devices are not idle compute), and in ten RL
-steps the policy barely drifts, so the adaptive drafter has nothing to adapt to (its accept
-length, 2.72, stayed below the static drafter's 2.90). The simulation, fitted to these CPU
-costs, predicts only 1.05-1.07x at 8-1024 devices (1.17-1.23x with a memory-bound cost
+steps the policy barely drifts, so the adaptive drafter has little to adapt to (its accept
+length, 2.44, within the runs' spread of the static drafter's 2.40). The simulation, fitted to
+these CPU costs, predicts only 1.10-1.12x at 8-1024 devices (1.21-1.28x with a memory-bound cost
 shape): the paper's 1.7-2.1x needs a heavier tail, cheaper SD rounds, or its accept lengths
 (~6). What would change the picture is real accelerators (disjoint compute per group), a target
 large relative to its drafter, and long RL runs in which the policy drifts.'''),
