@@ -51,6 +51,23 @@ def test_resume_with_a_changed_key_names_it(tmp_path):
     run_state.check_workdir(c)
 
 
+def test_a_workdir_from_before_a_key_existed_resumes_with_it_at_its_default(tmp_path):
+  """An upgrade that adds a config key must not strand older runs: their config.json lacks the
+  key, and the key's default is the behaviour they ran with. Set otherwise, it is a change."""
+  c = _smoke()
+  workdir = _workdir_with_checkpoint(tmp_path, c)
+  with open(os.path.join(workdir, "config.json")) as f:
+    saved = json.load(f)
+  del saved["rollout"]["lookup_bank"]  # as a run written before the key was added
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(saved, f)
+  assert run_state.check_config(c, workdir) == {}
+  c.rollout.lookup_bank = 4
+  with pytest.raises(ValueError, match=r"^rollout\.lookup_bank=4: .* was run with "
+                                       r"rollout\.lookup_bank=None"):
+    run_state.check_workdir(c)
+
+
 def test_resume_may_change_steps_and_eval_and_it_is_recorded(tmp_path):
   c = _smoke()
   _workdir_with_checkpoint(tmp_path, c)

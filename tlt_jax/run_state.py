@@ -28,6 +28,7 @@ import sys
 
 import jax
 
+from tlt_jax import config as config_lib
 from tlt_jax import multihost
 from tlt_jax.job import Job
 from tlt_jax.tlt.buffer import DrafterBuffer
@@ -191,15 +192,19 @@ def check_workdir(c) -> None:
 def check_config(c, workdir: str) -> dict:
   """Before a resume: the keys that differ from the config the workdir's checkpoints were
   written under, {key: [then, now]}. Raises ValueError naming the first key a resume may not
-  change; the allowed changes are appended to <workdir>/config_changes.jsonl."""
+  change; the allowed changes are appended to <workdir>/config_changes.jsonl. A key added to the
+  defaults since that run, now at its default, is no change: a key is added with the default
+  that keeps the old behaviour, so the run was made under it."""
   path = os.path.join(workdir, "config.json")
   if not c.checkpoint.resume or not os.path.exists(path):
     return {}
   with open(path) as f:
     then = _flat(json.load(f))
   now = _flat(json.loads(c.to_json_best_effort()))
+  defaults = _flat(json.loads(config_lib.default_config().to_json_best_effort()))
+  added_at_default = {k for k in now if k not in then and k in defaults and now[k] == defaults[k]}
   changed = {k: [then.get(k), now.get(k)] for k in sorted(set(then) | set(now))
-             if then.get(k) != now.get(k)}
+             if then.get(k) != now.get(k) and k not in added_at_default}
   for key, (old, new) in changed.items():
     if not key.startswith(RESUMABLE_KEYS):
       raise ValueError(f"{key}={new!r}: {workdir} was run with {key}={old!r} and its checkpoints "
