@@ -252,7 +252,15 @@ def _row_sequences(s: Slots):
   return jnp.where(in_prompt, from_prompt, from_response), prompt_len + s.gen
 
 
-def _lookup_drafts(s: Slots, bank_HxN, bank_len_H, depth: int, max_order: int):
+# Elements of one block of the lookup's [B, rows, P + N] comparisons: the search walks the
+# corpus a block of rows at a time, so its memory does not grow with the bucket, the bank or the
+# response length (the whole corpus at once, at B=64, a bank of 16 and a 32K-token context,
+# would be ~0.7 GB per tensor per round). 4M elements: ~40 MB over the block's tensors.
+LOOKUP_BLOCK_ELEMENTS = 1 << 22
+
+
+def _lookup_drafts(s: Slots, bank_HxN, bank_len_H, depth: int, max_order: int,
+                   block_elements: int = LOOKUP_BLOCK_ELEMENTS):
   """[B, depth] drafts, each row's continuation of the longest match (up to `max_order`
   tokens) of its own last tokens, looked up in every row of the bucket (its own text
   included: prompt and response so far) and in the bank of recent responses.
@@ -261,7 +269,8 @@ def _lookup_drafts(s: Slots, bank_HxN, bank_len_H, depth: int, max_order: int):
   they have; ties go to the first (the bucket's rows before the bank, earlier positions
   first). A row with no match drafts zeros, which verification rejects unless the target
   would emit them. Cost per round: O(B * (B + H) * (P + N) * max_order) comparisons, done
-  on device between two verifies, so a chunk of lookup rounds is one program call."""
+  on device between two verifies, so a chunk of lookup rounds is one program call; memory:
+  one block of `block_elements` comparisons (at least one corpus row for every row of B)."""
   seq_BxL, len_B = _row_sequences(s)
   B, L = seq_BxL.shape
   H, N = bank_HxN.shape
@@ -272,23 +281,46 @@ def _lookup_drafts(s: Slots, bank_HxN, bank_len_H, depth: int, max_order: int):
   # key[b, i]: row b's i-th token from the end (i = 0 is its newest).
   key_idx_BxM = len_B[:, None] - 1 - jnp.arange(max_order)[None, :]
   key_BxM = jnp.take_along_axis(seq_BxL, jnp.maximum(key_idx_BxM, 0), axis=1)
-  # match_len[b, r, j]: how many of row b's newest tokens end at corpus[r, j] (consecutive).
-  run_BxRxL = jnp.ones((B, corpus_RxL.shape[0], L), bool)
-  match_len_BxRxL = jnp.zeros(run_BxRxL.shape, jnp.int32)
-  for i in range(max_order):
-    shifted_RxL = jnp.roll(corpus_RxL, i, axis=1)  # [r, j] = corpus[r, j - i]
-    eq = shifted_RxL[None] == key_BxM[:, i, None, None]
-    run_BxRxL = run_BxRxL & eq & (j >= i)[None, None, :] & (key_idx_BxM[:, i] >= 0)[:, None, None]
-    match_len_BxRxL = match_len_BxRxL + run_BxRxL
-  avail_RxL = corpus_len_R[:, None] - 1 - j[None, :]  # tokens after position j
-  score = match_len_BxRxL * (depth + 1) + jnp.minimum(avail_RxL, depth)[None]
-  score = jnp.where((match_len_BxRxL > 0) & (avail_RxL > 0)[None], score, -1)
-  best = jnp.argmax(score.reshape(B, -1), axis=1)
-  found = jnp.max(score.reshape(B, -1), axis=1) >= 0
-  r_B, j_B = best // L, best % L
-  cols_BxK = jnp.clip(j_B[:, None] + 1 + jnp.arange(depth)[None, :], 0, L - 1)
-  drafts_BxK = corpus_RxL[r_B[:, None], cols_BxK]
-  return jnp.where(found[:, None], drafts_BxK, 0).astype(jnp.int32)
+
+  def block_best(corpus_CxL, corpus_len_C):
+    """(score [B], drafts [B, depth]) of the best match in these corpus rows (-1: none)."""
+    # match_len[b, c, j]: how many of row b's newest tokens end at corpus[c, j] (consecutive).
+    run_BxCxL = jnp.ones((B, corpus_CxL.shape[0], L), bool)
+    match_len_BxCxL = jnp.zeros(run_BxCxL.shape, jnp.int32)
+    for i in range(max_order):
+      shifted_CxL = jnp.roll(corpus_CxL, i, axis=1)  # [c, j] = corpus[c, j - i]
+      eq = shifted_CxL[None] == key_BxM[:, i, None, None]
+      run_BxCxL = (run_BxCxL & eq & (j >= i)[None, None, :]
+                   & (key_idx_BxM[:, i] >= 0)[:, None, None])
+      match_len_BxCxL = match_len_BxCxL + run_BxCxL
+    avail_CxL = corpus_len_C[:, None] - 1 - j[None, :]  # tokens after position j
+    score = match_len_BxCxL * (depth + 1) + jnp.minimum(avail_CxL, depth)[None]
+    score = jnp.where((match_len_BxCxL > 0) & (avail_CxL > 0)[None], score, -1).reshape(B, -1)
+    best = jnp.argmax(score, axis=1)  # the first of equals: earlier rows, earlier positions
+    c_B, j_B = best // L, best % L
+    cols_BxK = jnp.clip(j_B[:, None] + 1 + jnp.arange(depth)[None, :], 0, L - 1)
+    return jnp.max(score, axis=1), corpus_CxL[c_B[:, None], cols_BxK]
+
+  R = corpus_RxL.shape[0]
+  rows_per_block = max(1, min(R, block_elements // (B * L)))
+  if rows_per_block == R:
+    score_B, drafts_BxK = block_best(corpus_RxL, corpus_len_R)
+  else:
+    num_blocks = -(-R // rows_per_block)
+    pad = num_blocks * rows_per_block - R  # rows of length 0: no continuation, never chosen
+    blocks = (jnp.pad(corpus_RxL, ((0, pad), (0, 0))).reshape(num_blocks, rows_per_block, L),
+              jnp.pad(corpus_len_R, (0, pad)).reshape(num_blocks, rows_per_block))
+
+    def keep_better(carry, block):
+      best_B, drafts_BxK = carry
+      score_B, block_drafts_BxK = block_best(*block)
+      better = score_B > best_B  # strict: an equal score in a later block is a later row
+      return (jnp.where(better, score_B, best_B),
+              jnp.where(better[:, None], block_drafts_BxK, drafts_BxK)), None
+
+    init = (jnp.full((B,), -1, jnp.int32), jnp.zeros((B, depth), jnp.int32))
+    (score_B, drafts_BxK), _ = jax.lax.scan(keep_better, init, blocks)
+  return jnp.where((score_B >= 0)[:, None], drafts_BxK, 0).astype(jnp.int32)
 
 
 def _path_layout(pos_B, ancestors_BxTxA, depth_BxT, num_slots):
