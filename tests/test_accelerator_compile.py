@@ -106,14 +106,15 @@ def _tiny_models(arch: str):
 
 def _engine_program(arch: str, phase: str, target: str):
   """The rollout engine's own program (`ProgramPool._lower`), its parameters abstract on the
-  target's device: prefill, plain decode, chain verify (drafter included) or tree verify."""
+  target's device: prefill, plain decode, chain verify (drafter included), tree verify, or a
+  lookup chunk (drafts searched on device)."""
   from tlt_jax.rollout.config import EngineConfig
   from tlt_jax.rollout.programs import ProgramPool
-  from tlt_jax.rollout.tuner import OFF, Arm, tree_arm
+  from tlt_jax.rollout.tuner import OFF, Arm, lookup_arm, tree_arm
 
   model, drafter = _tiny_models(arch)
   arms = {"decode": Arm(OFF), "verify_chain": Arm("chain4", 4),
-          "verify_tree": tree_arm(3, 2, 5)}
+          "verify_tree": tree_arm(3, 2, 5), "verify_lookup": lookup_arm(4)}
   arm = arms.get(phase, Arm(OFF))
   cfg = EngineConfig(buckets=(4,), max_prompt_len=16, max_new_tokens=32, chunk_steps=4,
                      arms=(Arm(OFF), arm) if arm.depth else (arm,), drafter_numerics="policy")
@@ -182,6 +183,10 @@ def _program_params():
       arch = ARCHS[(i + j) % len(ARCHS)]
       params.append(pytest.param(arch, program, target, id=f"{arch}-{program}-{target}"))
   params.append(pytest.param("qwen3", "verify_tree", "tpu_v6e", id="qwen3-verify_tree-tpu_v6e"))
+  # The lookup arm's chunk: drafts searched on device (a scan over corpus blocks) between
+  # verifies, the bank of recent responses an input; once on a TPU, once on the GPU.
+  params += [pytest.param(arch, "verify_lookup", target, id=f"{arch}-verify_lookup-{target}")
+             for arch, target in (("qwen2", "tpu_v5e"), ("llama", "h100"))]
   return params
 
 
@@ -272,6 +277,27 @@ def test_paper_scale_layer(layer, target: str):
   with ops.numerics_mode("batch_invariant", "pallas"):
     targets_lib.compile_for(target, fn, *specs, min_pallas_calls=1,
                             label=f"{model}-layer-{phase}-B{B}-T{T}-S{num_slots}")
+
+
+@pytest.mark.parametrize("target", ["tpu_v5e", "h100"])
+def test_paper_scale_lookup_search(target: str):
+  """The lookup arm's draft search (`steps._lookup_drafts`) at 64 rows, a bank of 16 and a
+  1K prompt + 32K response: compiles for the target, its scratch within a few corpus blocks
+  (the whole corpus compared at once would need ~0.7 GB per tensor per round)."""
+  from tlt_jax.rollout import steps
+
+  _need(target)
+  B, P, N, H = 64, 1024, 32768, 16
+  s = steps.Slots(cache=None, draft_cache=None, token=S((B,), I32), pos=S((B,), I32),
+                  prev_hidden=S((B, 1), F32), sample_id=S((B,), I32), gen=S((B,), I32),
+                  max_new=S((B,), I32), done=S((B,), BOOL), live=S((B,), BOOL),
+                  out_tokens=S((B, N), I32), out_logprobs=S((B, N), F32),
+                  out_hidden=S((B, N, 1), F32), prompt_tokens=S((B, P), I32))
+  compiled = targets_lib.compile_for(target, steps._lookup_drafts, s, S((H, N), I32),
+                                     S((H,), I32), depth=4, max_order=4,
+                                     label="lookup-search-B64-ctx33K")
+  scratch = compiled.memory_analysis().temp_size_in_bytes
+  assert scratch < 16 * steps.LOOKUP_BLOCK_ELEMENTS * 4, f"{target}: {scratch} bytes of scratch"
 
 
 @pytest.mark.parametrize("target", TARGETS)
