@@ -25,7 +25,7 @@ from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.tuner import (OFF, Arm, Tuner, default_arms, history_arm, lookup_arm,
-                                   parse_arms, tree_arm)
+                                   lookup_tree_arm, parse_arms, tree_arm)
 
 VOCAB = 12
 EOS = 3
@@ -125,14 +125,17 @@ def test_history_chains_are_bitwise_plain_decoding(arm, drafter):
 
 
 LOOKUP_CFG = dataclasses.replace(
-    CFG, arms=(Arm(OFF), Arm("chain2", 2), lookup_arm(2), lookup_arm(4)), lookup_bank=3)
+    CFG, arms=(Arm(OFF), Arm("chain2", 2), lookup_arm(2), lookup_arm(4),
+               lookup_tree_arm(3, 3), lookup_tree_arm(2, 2)), lookup_bank=3)
 
 
-@pytest.mark.parametrize("arm,drafter", [("lookup_chain2", False), ("lookup_chain4", True)])
+@pytest.mark.parametrize("arm,drafter", [("lookup_chain2", False), ("lookup_chain4", True),
+                                         ("lookup_tree3_3", False), ("lookup_tree2_2", True)])
 def test_lookup_chains_are_bitwise_plain_decoding(arm, drafter):
-  """Chains looked up on device in the bucket's rows and the bank, several rounds per chunk:
-  the same tokens and log-probs as plain decoding, with or without a learned drafter (whose
-  cache the rounds keep current) beside them."""
+  """Chains looked up on device in the bucket's rows and the bank, several rounds per chunk,
+  verified one by one or as the tree of several distinct chains: the same tokens and log-probs
+  as plain decoding, with or without a learned drafter (whose cache the rounds keep current)
+  beside them."""
   _, reference = _plain()
   engine, samples = _run(LOOKUP_CFG, drafter=drafter, arm=arm)
   _assert_same(reference, samples)
@@ -147,33 +150,42 @@ def test_lookup_chains_are_bitwise_plain_decoding(arm, drafter):
     assert any(np.array_equal(tokens[:n], x.tokens) for x in samples)
 
 
-def _reference_lookup(rows, bank, depth, max_order):
+def _reference_lookup(rows, bank, depth, max_order, width=1):
   """A plain-Python search for `_lookup_drafts`: for each row, every (source, end) in order
   (rows, then bank), scored by match length of the row's newest tokens (up to max_order),
   then by continuation tokens available (up to depth); first best wins. Returns each row's
-  continuation (shorter than depth where the source ends), None where nothing matched."""
+  continuation (shorter than depth where the source ends), None where nothing matched.
+  width > 1: a list of up to `width` continuations per row, each the best one that is not the
+  start of a continuation chosen before it (`_lookup_tree_chains`)."""
   corpus = list(rows) + list(bank)
-  drafts = []
+  out = []
   for seq in rows:
-    best, best_score = None, -1
-    for src in corpus:
-      for j in range(len(src)):
-        m = 0
-        while m < max_order and m < len(seq) and j - m >= 0 and src[j - m] == seq[-1 - m]:
-          m += 1
-        avail = len(src) - 1 - j
-        if m > 0 and avail > 0 and m * (depth + 1) + min(avail, depth) > best_score:
-          best, best_score = (src, j), m * (depth + 1) + min(avail, depth)
-    drafts.append(None if best is None else list(best[0][best[1] + 1:best[1] + 1 + depth]))
-  return drafts
+    chosen = []
+    for _ in range(width):
+      best, best_score = None, -1
+      for src in corpus:
+        for j in range(len(src)):
+          m = 0
+          while m < max_order and m < len(seq) and j - m >= 0 and src[j - m] == seq[-1 - m]:
+            m += 1
+          avail = len(src) - 1 - j
+          cont = list(src[j + 1:j + 1 + depth])
+          if any(c[:len(cont)] == cont for c in chosen):
+            continue
+          if m > 0 and avail > 0 and m * (depth + 1) + min(avail, depth) > best_score:
+            best, best_score = cont, m * (depth + 1) + min(avail, depth)
+      if best is None:
+        break
+      chosen.append(best)
+    out.append(chosen if width > 1 else (chosen[0] if chosen else None))
+  return out
 
 
-@pytest.mark.parametrize("rows_per_block", [None, 1, 3])
-def test_lookup_drafts_match_a_plain_search(rows_per_block):
-  """The whole corpus in one block, and walked a block of rows at a time (3 leaves a partial
-  last block): the same drafts, the first of equal matches still winning across blocks."""
+def _lookup_case():
+  """Rows (prompt + response so far) and a bank over 4 token ids, so matches tie often; the
+  last row's newest token occurs nowhere else."""
   rng = np.random.default_rng(0)
-  P, N, H, depth, max_order = 5, 9, 3, 3, 3
+  P, N, H = 5, 9, 3
   prompts = [rng.integers(0, 4, size=rng.integers(1, P + 1)).tolist() for _ in range(6)]
   responses = [rng.integers(0, 4, size=rng.integers(1, N + 1)).tolist() for _ in range(6)]
   bank = [rng.integers(0, 4, size=rng.integers(1, N + 1)).tolist() for _ in range(H)]
@@ -189,16 +201,96 @@ def test_lookup_drafts_match_a_plain_search(rows_per_block):
       done=jnp.zeros((B,), bool), live=jnp.ones((B,), bool),
       out_tokens=jnp.asarray(pad(responses, N)), out_logprobs=jnp.zeros((B, N)),
       out_hidden=jnp.zeros((B, N, 1)), prompt_tokens=jnp.asarray(pad(prompts, P)))
-  block = {} if rows_per_block is None else {"block_elements": rows_per_block * B * (P + N)}
-  drafts = steps_lib._lookup_drafts(s, jnp.asarray(pad(bank, N)),
-                                    jnp.asarray([len(b) for b in bank]), depth, max_order,
-                                    **block)
+  bank_args = (jnp.asarray(pad(bank, N)), jnp.asarray([len(b) for b in bank]))
   rows = [p + r for p, r in zip(prompts, responses)]
+  return s, bank_args, rows, bank, B * (P + N)
+
+
+@pytest.mark.parametrize("rows_per_block", [None, 1, 3])
+def test_lookup_drafts_match_a_plain_search(rows_per_block):
+  """The whole corpus in one block, and walked a block of rows at a time (3 leaves a partial
+  last block): the same drafts, the first of equal matches still winning across blocks."""
+  depth, max_order = 3, 3
+  s, bank_args, rows, bank, row_elements = _lookup_case()
+  block = {} if rows_per_block is None else {"block_elements": rows_per_block * row_elements}
+  drafts = steps_lib._lookup_drafts(s, *bank_args, depth, max_order, **block)
   expected = _reference_lookup(rows, bank, depth, max_order)
   assert any(w is None for w in expected) and any(w and len(w) == depth for w in expected)
-  # Past the end of the matched source a draft is padding (any token): compare what exists.
+  assert any(w and len(w) < depth for w in expected)  # a source that ends inside the draft
+  # Past the end of the matched source a draft is 0 (verification rejects it unless the
+  # target would emit 0 there).
   for b, (got, want) in enumerate(zip(np.asarray(drafts).tolist(), expected)):
-    assert got == [0] * depth if want is None else got[:len(want)] == want, b
+    assert got == (want or []) + [0] * (depth - len(want or [])), b
+
+
+@pytest.mark.parametrize("rows_per_block", [None, 2])
+def test_lookup_tree_chains_match_a_plain_search(rows_per_block):
+  """Each row's best continuations, each not the start of one chosen before it."""
+  depth, width, max_order = 3, 3, 2
+  s, bank_args, rows, bank, row_elements = _lookup_case()
+  block = {} if rows_per_block is None else {"block_elements": rows_per_block * row_elements}
+  chains, valid = steps_lib._lookup_tree_chains(s, *bank_args, depth, width, max_order, **block)
+  expected = _reference_lookup(rows, bank, depth, max_order, width)
+  assert any(len(w) == width for w in expected) and any(len(w) < width for w in expected)
+  for b, (got, ok, want) in enumerate(zip(np.asarray(chains).tolist(),
+                                          np.asarray(valid).tolist(), expected)):
+    assert ok == [i < len(want) for i in range(width)], b
+    for i, w in enumerate(want):
+      assert got[i] == w + [-1] * (depth - len(w)), (b, i)
+
+
+def _walk(tokens, parents, path):
+  """Node indices a verify walk visits following `path` from the root: at each step the first
+  node whose parent is the current one and whose token is the path's next (None: no such)."""
+  cur, visited = 0, [0]
+  for t in path:
+    nxt = [i for i in range(len(tokens)) if parents[i] == cur and tokens[i] == t]
+    if not nxt:
+      return None
+    cur = nxt[0]
+    visited.append(cur)
+  return visited
+
+
+def test_lookup_chains_become_the_trie_of_their_tokens():
+  """Every prefix of every valid chain is walkable from the root (with the ancestors the
+  verify's attention layout needs), nothing else is, and the walk can branch where chains
+  differ: against a plain-Python trie of the same chains."""
+  chains = [[[1, 2, 3], [1, 2, 4], [5, 6, -1], [1, 7, 8]],    # branches at depth 1 and 2
+            [[3, 3, 3], [0, 0, 0], [9, 9, 9], [4, -1, -1]]]   # chain 1 and 2 invalid
+  valid = [[True, True, True, True], [True, False, False, True]]
+  tok, par, dep, anc = (np.asarray(x).tolist() for x in steps_lib._chains_to_tree(
+      jnp.asarray([11, 12]), jnp.asarray(chains), jnp.asarray(valid)))
+  for b in range(2):
+    assert tok[b][0] == [11, 12][b] and par[b][0] == -1 and dep[b][0] == 0
+    trie = set()
+    for chain, ok in zip(chains[b], valid[b]):
+      real = [t for t in chain if t >= 0] if ok else []
+      trie |= {tuple(real[:n]) for n in range(1, len(real) + 1)}
+    for prefix in trie:
+      visited = _walk(tok[b], par[b], prefix)
+      assert visited is not None, (b, prefix)
+      node = visited[-1]
+      assert dep[b][node] == len(prefix) and anc[b][node][:len(prefix) + 1] == visited
+    # The nodes a walk can reach are exactly the trie's (duplicates are never reached first).
+    reachable = {tuple(tok[b][i] for i in _path(par[b], i)) for i in range(1, len(tok[b]))
+                 if par[b][i] >= 0}
+    assert reachable == trie, b
+    K = len(chains[b][0])
+    for w, (chain, ok) in enumerate(zip(chains[b], valid[b])):
+      for k, t in enumerate(chain):
+        i = 1 + w * K + k
+        if not ok or t < 0:  # not a node: token 0 (a real id to embed), no parent, depth 0
+          assert (tok[b][i], par[b][i], dep[b][i]) == (0, -1, 0), (b, w, k)
+
+
+def _path(parents, i):
+  """Node indices from the root's child down to node i."""
+  path = []
+  while i > 0:
+    path.append(i)
+    i = parents[i]
+  return path[::-1]
 
 
 def test_the_tuner_free_over_history_and_learned_arms_is_bitwise_plain():

@@ -57,7 +57,10 @@ class EngineConfig:
     if self.lookup_max_order < 1 or self.lookup_bank < 0:
       raise ValueError(f"lookup_max_order must be >= 1 (got {self.lookup_max_order}) and "
                        f"lookup_bank >= 0 (got {self.lookup_bank})")
-    if self.verification == "rejection" and any(a.is_tree for a in self.arms):
+    # Model-free drafts are always checked against the target's own Gumbel sample (they have
+    # no draft distribution to reject against), so only the learned trees are refused here.
+    if self.verification == "rejection" and any(a.is_tree and a.needs_drafter
+                                                 for a in self.arms):
       raise ValueError("tree arms support verification='gumbel' only")
 
   @classmethod

@@ -271,6 +271,33 @@ def _lookup_drafts(s: Slots, bank_HxN, bank_len_H, depth: int, max_order: int,
   would emit them. Cost per round: O(B * (B + H) * (P + N) * max_order) comparisons, done
   on device between two verifies, so a chunk of lookup rounds is one program call; memory:
   one block of `block_elements` comparisons (at least one corpus row for every row of B)."""
+  drafts_BxK, found_B = _lookup_search(s, bank_HxN, bank_len_H, depth, max_order, None,
+                                       block_elements)
+  return jnp.where(found_B[:, None], jnp.maximum(drafts_BxK, 0), 0)
+
+
+def _lookup_tree_chains(s: Slots, bank_HxN, bank_len_H, depth: int, width: int, max_order: int,
+                        block_elements: int = LOOKUP_BLOCK_ELEMENTS):
+  """([B, width, depth] chains, [B, width] valid): the best match as `_lookup_drafts` finds it,
+  then the best whose continuation differs from every chain found before it (a continuation
+  that is a prefix of an earlier chain adds no node to the tree), `width` searches in all.
+  A chain is -1 past the end of its source; an invalid one (nothing left to match) is zeros."""
+  chains, valid = [], []
+  for _ in range(width):
+    exclude = jnp.stack(chains, axis=1) if chains else None
+    drafts_BxK, found_B = _lookup_search(s, bank_HxN, bank_len_H, depth, max_order, exclude,
+                                         block_elements)
+    chains.append(jnp.where(found_B[:, None], drafts_BxK, 0))  # -1 past a source's end
+    valid.append(found_B)
+  return jnp.stack(chains, axis=1), jnp.stack(valid, axis=1)
+
+
+def _lookup_search(s: Slots, bank_HxN, bank_len_H, depth: int, max_order: int,
+                   exclude_BxExK, block_elements: int):
+  """([B, depth] drafts, -1 past the end of their source; [B] found): the search of
+  `_lookup_drafts`, skipping every candidate whose continuation (as many tokens as it has, up
+  to `depth`) equals the start of one of the row's `exclude` chains [B, E, depth] (None:
+  none)."""
   seq_BxL, len_B = _row_sequences(s)
   B, L = seq_BxL.shape
   H, N = bank_HxN.shape
@@ -294,12 +321,23 @@ def _lookup_drafts(s: Slots, bank_HxN, bank_len_H, depth: int, max_order: int,
                    & (key_idx_BxM[:, i] >= 0)[:, None, None])
       match_len_BxCxL = match_len_BxCxL + run_BxCxL
     avail_CxL = corpus_len_C[:, None] - 1 - j[None, :]  # tokens after position j
+    usable = (match_len_BxCxL > 0) & (avail_CxL > 0)[None]
+    if exclude_BxExK is not None:  # the k-th continuation token exists for k < avail
+      for e in range(exclude_BxExK.shape[1]):
+        same_BxCxL = jnp.ones_like(usable)
+        for k in range(depth):
+          next_CxL = jnp.roll(corpus_CxL, -(1 + k), axis=1)  # [c, j] = corpus[c, j + 1 + k]
+          same_BxCxL &= ((next_CxL[None] == exclude_BxExK[:, e, k, None, None])
+                         | (k >= avail_CxL)[None])
+        usable &= ~same_BxCxL
     score = match_len_BxCxL * (depth + 1) + jnp.minimum(avail_CxL, depth)[None]
-    score = jnp.where((match_len_BxCxL > 0) & (avail_CxL > 0)[None], score, -1).reshape(B, -1)
+    score = jnp.where(usable, score, -1).reshape(B, -1)
     best = jnp.argmax(score, axis=1)  # the first of equals: earlier rows, earlier positions
     c_B, j_B = best // L, best % L
-    cols_BxK = jnp.clip(j_B[:, None] + 1 + jnp.arange(depth)[None, :], 0, L - 1)
-    return jnp.max(score, axis=1), corpus_CxL[c_B[:, None], cols_BxK]
+    k_K = jnp.arange(depth)
+    cols_BxK = jnp.clip(j_B[:, None] + 1 + k_K[None, :], 0, L - 1)
+    has_BxK = k_K[None, :] < (corpus_len_C[c_B] - 1 - j_B)[:, None]  # within its source
+    return jnp.max(score, axis=1), jnp.where(has_BxK, corpus_CxL[c_B[:, None], cols_BxK], -1)
 
   R = corpus_RxL.shape[0]
   rows_per_block = max(1, min(R, block_elements // (B * L)))
@@ -320,7 +358,44 @@ def _lookup_drafts(s: Slots, bank_HxN, bank_len_H, depth: int, max_order: int,
 
     init = (jnp.full((B,), -1, jnp.int32), jnp.zeros((B, depth), jnp.int32))
     (score_B, drafts_BxK), _ = jax.lax.scan(keep_better, init, blocks)
-  return jnp.where((score_B >= 0)[:, None], drafts_BxK, 0).astype(jnp.int32)
+  return drafts_BxK.astype(jnp.int32), score_B >= 0
+
+
+def _chains_to_tree(root_B, chains_BxWxK, valid_BxW):
+  """The chains as one draft tree, in `_verify_tree`'s layout: node 0 is the root (the current
+  token), node 1 + w * K + i is chain w's token i (0-based, at depth i + 1). A node whose
+  prefix equals an earlier valid chain's hangs under that chain's node (the trie of the
+  chains), so a walk can branch where the chains differ; a node equal to an earlier one is a
+  leaf the walk never takes (it finds the earlier, lower-index one first). The nodes of invalid
+  chains and the -1 tokens past a chain's end have no parent (never walked), token 0 and depth
+  0. Returns (tokens, parents, depths [B, n], ancestors [B, n, K + 1]: the node's ancestor at
+  each depth, itself at its own), n = 1 + W * K."""
+  B, W, K = chains_BxWxK.shape
+  # same[b, w, v, i]: chains w and v agree on their first i + 1 tokens, and v is valid.
+  eq_BxWxWxK = chains_BxWxK[:, :, None, :] == chains_BxWxK[:, None, :, :]
+  same_BxWxWxK = ((jnp.cumprod(eq_BxWxWxK.astype(jnp.int32), axis=-1) > 0)
+                  & valid_BxW[:, None, :, None])
+  first_BxWxK = jnp.argmax(same_BxWxWxK, axis=2)  # first chain holding w's prefix of i + 1
+  i_K = jnp.arange(K)
+  own_node_BxWxK = jnp.broadcast_to(1 + jnp.arange(W)[:, None] * K + i_K, (B, W, K))
+  trie_node_BxWxK = 1 + first_BxWxK * K + i_K  # the node the walk reaches for w's prefix
+  parent_BxWxK = jnp.concatenate(
+      [jnp.zeros((B, W, 1), jnp.int32), trie_node_BxWxK[:, :, :-1]], axis=2)
+  # Ancestors of chain w's token i at depths 1..K: the trie's nodes above it, itself, 0 below.
+  above_KxK = i_K[None, :] < i_K[:, None]  # [i, depth index]
+  anc_BxWxKxK = jnp.where(above_KxK, trie_node_BxWxK[:, :, None, :],
+                          jnp.where(i_K[None, :] == i_K[:, None], own_node_BxWxK[..., None], 0))
+  node_BxWxK = valid_BxW[:, :, None] & (chains_BxWxK >= 0)
+  n1 = W * K
+  tokens = jnp.where(node_BxWxK, chains_BxWxK, 0).reshape(B, n1)
+  parents = jnp.where(node_BxWxK, parent_BxWxK, -1).reshape(B, n1)
+  depths = jnp.where(node_BxWxK, i_K + 1, 0).reshape(B, n1)
+  ancestors = jnp.where(node_BxWxK[..., None], anc_BxWxKxK, 0).reshape(B, n1, K)
+  column = lambda value: jnp.full((B, 1), value, jnp.int32)
+  return (jnp.concatenate([root_B[:, None].astype(jnp.int32), tokens], axis=1),
+          jnp.concatenate([column(-1), parents], axis=1),
+          jnp.concatenate([column(0), depths], axis=1),
+          jnp.pad(ancestors, ((0, 0), (1, 0), (1, 0))))  # the root: depth 0, itself = 0
 
 
 def _path_layout(pos_B, ancestors_BxTxA, depth_BxT, num_slots):
@@ -401,6 +476,23 @@ def _tree_step(target, drafter, cfg: EngineConfig, arm: Arm, s: Slots, seed):
                          jnp.take_along_axis(rank, jnp.maximum(parent_of, 0), 1), -1)
   ver_anc = jnp.take_along_axis(rank[:, None, :],
                                 jnp.take_along_axis(node_anc, chosen[..., None], 1), axis=2)
+  return _verify_tree(target, drafter, cfg, s, seed, ver_tok, ver_parent, ver_depth, ver_anc,
+                      draft_cache)
+
+
+def _verify_tree(target, drafter, cfg: EngineConfig, s: Slots, seed, ver_tok, ver_parent,
+                 ver_depth, ver_anc, draft_cache, extend_current: bool = False):
+  """One target forward over a draft tree of n nodes per row (tokens, parents, depths [B, n],
+  ancestors [B, n, d + 1]; node 0 the current token), each node seeing exactly its path, so
+  its sample is the one plain decoding would draw there (Gumbel verification); the walk from
+  the root follows the child equal to that sample while there is one. The accepted path's KV
+  moves to consecutive slots; the path plus the sample after it are emitted. extend_current:
+  the learned drafter did not draft this round (`_commit`)."""
+  B, n = ver_tok.shape
+  d = ver_anc.shape[-1] - 1
+  rows = jnp.arange(B)
+  S = s.cache.num_slots
+  greedy = cfg.sampling.temperature == 0.0
   kv_index, mask = _path_layout(s.pos, ver_anc, ver_depth, S)
   out = target(ver_tok, s.pos[:, None] + ver_depth, cache=s.cache, write_slot_B=s.pos,
                mask_BxTxS=mask, kv_index_BxTxS=kv_index)
@@ -431,7 +523,7 @@ def _tree_step(target, drafter, cfg: EngineConfig, arm: Arm, s: Slots, seed):
   move = lambda c: c.at[rows[:, None], dst].set(c[rows[:, None], src], mode="drop")
   cache = KVCache(tuple(move(c) for c in out.cache.k), tuple(move(c) for c in out.cache.v))
   return _commit(target, drafter, cfg, s, cache, draft_cache, emitted, accepted,
-                 logits_path, hidden_path)
+                 logits_path, hidden_path, extend_current=extend_current)
 
 
 def _rejection_emit(s: Slots, seed, depth, drafts_BxK, draft_masked, target_masked_BxK1xV,
@@ -478,7 +570,12 @@ def decode_chunk(target, drafter, cfg: EngineConfig, arm: Arm, s: Slots, seed, b
   def body(carry):
     step, s, emitted, row_rounds = carry
     row_rounds = row_rounds + jnp.sum(s.live & ~s.done).astype(jnp.int32)
-    if arm.is_lookup:
+    if arm.is_lookup and arm.is_tree:
+      chains, valid = _lookup_tree_chains(s, bank_HxN, bank_len_H, arm.depth, arm.topk,
+                                          cfg.lookup_max_order)
+      s, n = _verify_tree(target, drafter, cfg, s, seed, *_chains_to_tree(s.token, chains, valid),
+                          s.draft_cache, extend_current=True)
+    elif arm.is_lookup:
       drafts = _lookup_drafts(s, bank_HxN, bank_len_H, arm.depth, cfg.lookup_max_order)
       s, n = _verify_drafts(target, drafter, cfg, s, seed, drafts)
     elif arm.is_tree:

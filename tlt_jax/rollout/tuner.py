@@ -34,7 +34,9 @@ class Arm:
   drafter: who drafts: the learned drafter on device, the history drafter (`rollout.history`)
   on the host, one round per program call, or the lookup drafter, on device inside a decode
   chunk (the longest match of each row's last tokens in the bucket's rows and a bank of recent
-  responses, `rollout.steps._lookup_drafts`). The two model-free ones draft chains only."""
+  responses, `rollout.steps._lookup_drafts`). History arms draft chains; a lookup tree's
+  `topk` is its number of distinct looked-up chains, merged into one trie and verified whole
+  (`verify` = 1 + depth * topk)."""
   name: str
   depth: int = 0
   topk: int = 0    # 0 = chain
@@ -44,8 +46,13 @@ class Arm:
   def __post_init__(self):
     if self.drafter not in (LEARNED, *MODEL_FREE):
       raise ValueError(f"arm {self.name}: drafter must be one of {(LEARNED, *MODEL_FREE)}")
-    if self.drafter in MODEL_FREE and (self.topk or not self.depth):
+    if self.drafter in MODEL_FREE and not self.depth:
       raise ValueError(f"arm {self.name}: {self.drafter} arms are chains of depth >= 1")
+    if self.drafter == HISTORY and self.topk:
+      raise ValueError(f"arm {self.name}: history arms are chains of depth >= 1")
+    if self.drafter == LOOKUP and self.topk and self.verify != 1 + self.depth * self.topk:
+      raise ValueError(f"arm {self.name}: a lookup tree verifies all its nodes "
+                       f"(verify = {1 + self.depth * self.topk})")
     if self.topk and not 2 <= self.verify <= 1 + self.depth * self.topk:
       raise ValueError(f"arm {self.name}: a tree of depth {self.depth} x top-{self.topk} has "
                        f"{1 + self.depth * self.topk} nodes; verify={self.verify} must be in "
@@ -96,9 +103,14 @@ def lookup_arm(depth: int) -> Arm:
   return Arm(f"lookup_chain{depth}", depth, drafter=LOOKUP)
 
 
+def lookup_tree_arm(depth: int, chains: int) -> Arm:
+  return Arm(f"lookup_tree{depth}_{chains}", depth, chains, 1 + depth * chains, drafter=LOOKUP)
+
+
 def parse_arms(spec: str) -> tuple[Arm, ...]:
-  """'chain2,tree6_4_32,history_chain4,lookup_chain4' -> (off, chain2, tree6_4_32,
-  history_chain4, lookup_chain4): `off` is always an arm."""
+  """'chain2,tree6_4_32,history_chain4,lookup_chain4,lookup_tree4_3' -> (off, chain2,
+  tree6_4_32, history_chain4, lookup_chain4, lookup_tree4_3): `off` is always an arm.
+  lookup_treeDEPTH_CHAINS: that many distinct looked-up chains of DEPTH tokens as one tree."""
   arms = [Arm(OFF)]
   for name in (n.strip() for n in spec.split(",") if n.strip()):
     if re.fullmatch(r"chain\d+", name):
@@ -109,9 +121,14 @@ def parse_arms(spec: str) -> tuple[Arm, ...]:
       arms.append(history_arm(int(name[13:])))
     elif re.fullmatch(r"lookup_chain\d+", name):
       arms.append(lookup_arm(int(name[12:])))
+    elif re.fullmatch(r"lookup_tree\d+_\d+", name):
+      depth, chains = (int(x) for x in name[11:].split("_"))
+      if chains < 1:
+        raise ValueError(f"SD arm {name!r}: a lookup tree needs at least one chain")
+      arms.append(lookup_tree_arm(depth, chains))
     elif name != OFF:
       raise ValueError(f"unknown SD arm {name!r}: use chainN, treeDEPTH_TOPK_VERIFY, "
-                       "history_chainN or lookup_chainN")
+                       "history_chainN, lookup_chainN or lookup_treeDEPTH_CHAINS")
   return tuple(arms)
 
 
