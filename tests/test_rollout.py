@@ -24,8 +24,8 @@ from tlt_jax.rollout import steps as steps_lib
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.tuner import (OFF, Arm, Tuner, default_arms, history_arm, lookup_arm,
-                                   lookup_tree_arm, parse_arms, tree_arm)
+from tlt_jax.rollout.tuner import (OFF, Arm, Tuner, combined_arm, default_arms, history_arm,
+                                   lookup_arm, lookup_tree_arm, parse_arms, tree_arm)
 
 VOCAB = 12
 EOS = 3
@@ -126,16 +126,17 @@ def test_history_chains_are_bitwise_plain_decoding(arm, drafter):
 
 LOOKUP_CFG = dataclasses.replace(
     CFG, arms=(Arm(OFF), Arm("chain2", 2), lookup_arm(2), lookup_arm(4),
-               lookup_tree_arm(3, 3), lookup_tree_arm(2, 2)), lookup_bank=3)
+               lookup_tree_arm(3, 3), lookup_tree_arm(2, 2), combined_arm(3, 2)), lookup_bank=3)
 
 
 @pytest.mark.parametrize("arm,drafter", [("lookup_chain2", False), ("lookup_chain4", True),
-                                         ("lookup_tree3_3", False), ("lookup_tree2_2", True)])
+                                         ("lookup_tree3_3", False), ("lookup_tree2_2", True),
+                                         ("combined_tree3_2", True)])
 def test_lookup_chains_are_bitwise_plain_decoding(arm, drafter):
   """Chains looked up on device in the bucket's rows and the bank, several rounds per chunk,
-  verified one by one or as the tree of several distinct chains: the same tokens and log-probs
-  as plain decoding, with or without a learned drafter (whose cache the rounds keep current)
-  beside them."""
+  verified one by one, as the tree of several distinct chains, or in one tree with the learned
+  drafter's chain (combined): the same tokens and log-probs as plain decoding, with or without
+  a learned drafter (whose cache the rounds keep current) beside them."""
   _, reference = _plain()
   engine, samples = _run(LOOKUP_CFG, drafter=drafter, arm=arm)
   _assert_same(reference, samples)
@@ -303,6 +304,12 @@ def test_the_tuner_free_over_history_and_learned_arms_is_bitwise_plain():
       OFF, "chain2", "history_chain4"]
   with pytest.raises(ValueError, match="history arms are chains of depth >= 1"):
     parse_arms("history_chain0")
+  tree, combined = parse_arms("lookup_tree4_3,combined_tree4_2")[1:]
+  assert (tree.verify_tokens, combined.verify_tokens) == (13, 13)
+  assert not tree.needs_drafter and combined.needs_drafter and combined.reads_bank
+  for bad in ("lookup_tree3_0", "combined_tree4_0", "lookup_tree0_2"):
+    with pytest.raises(ValueError, match=bad):
+      parse_arms(bad)
 
 
 def test_switching_sd_on_mid_rollout_needs_no_reprefill():

@@ -93,14 +93,17 @@ def round_cost(cfg: ModelConfig, arm: Arm | Strategy, rows: int, context: float,
   this round accepts, which only the device knows), not 1/chunk_steps of one; its host drafting
   (~10 us per row, bench_history) is left out. A lookup arm (drafted on device inside a decode
   chunk) is the verify alone at the stack's per-round calls; its search, integer compares over
-  the bucket's rows and the bank, is left out too."""
+  the bucket's rows and the bank, is left out too; a combined arm (the learned chain and
+  looked-up ones in one tree) pays the learned chain's drafter forwards and the whole tree's
+  verify."""
   if getattr(arm, "is_history", False):
     return (cm.forward(cfg, rows, arm.verify_tokens, context, tp=tp, calls=0.0)
             + cm.Cost(calls=HISTORY_ROUND_CALLS))
   if getattr(arm, "is_lookup", False):
     return (cm.forward(cfg, rows, arm.verify_tokens, context, tp=tp, calls=0.0)
             + cm.Cost(calls=stack.round_calls_fixed))
-  d, width = arm.depth, max(arm.topk, 1)
+  # A combined arm's drafter drafts one chain; the looked-up chains cost only the search.
+  d, width = arm.depth, 1 if getattr(arm, "is_combined", False) else max(arm.topk, 1)
   kw = dict(tp=tp, eagle3=stack.eagle3, draft_vocab=stack.draft_vocab, calls=0.0)
   levels = d - 1 if stack.extend_is_first_draft else d
   drafts = cm.drafter_forward(cfg, rows, width, context, **kw).times(levels)
@@ -189,13 +192,17 @@ ACCEPT_SOURCES["history"] = ("history_chain2/4/8 1.88/2.17/2.36: replay of tiny_
                              "change them")
 ACCEPT_SOURCES["lookup"] = ("lookup_chainN: assumed the history_chainN replay's figures (the "
                             "same prompt and sibling text, a bank of recent responses in place "
-                            "of the global trie; not replayed separately)")
+                            "of the global trie; not replayed separately); lookup_treeD_W: the "
+                            "same as lookup_chainD (a lower bound: its first chain is that "
+                            "chain)")
 
 
 def static_accept(arm: Arm) -> float:
   if arm.is_history or arm.is_lookup:
     depth_name = f"history_chain{arm.depth}"
     return HISTORY_ACCEPT.get(depth_name, min(HISTORY_ACCEPT["history_chain8"], arm.depth + 1.0))
+  if getattr(arm, "is_combined", False):  # its learned chain's, a lower bound
+    return STATIC_ACCEPT.get(f"chain{arm.depth}", min(1.0 + 0.3 * arm.depth, arm.depth + 1.0))
   if arm.is_tree:
     return min(ADAPTED_TREE_ACCEPT / (1 + TLT_ACCEPT_GAIN), arm.depth + 1.0)
   return STATIC_ACCEPT.get(arm.name, min(1.0 + 0.3 * arm.depth, arm.depth + 1.0))

@@ -15,7 +15,9 @@ round per round trip, because the next round's drafts continue the tokens this r
 which only the device knows (the learned drafter avoids the trip by drafting on device); drafts
 fixed for several rounds would only be right while every draft is accepted, i.e. they would be
 one longer chain. A lookup arm's chunk avoids the trip the learned drafter's way: its drafts
-are looked up on device, round by round (`steps._lookup_drafts`); the host only keeps the bank
+are looked up on device, round by round (`steps._lookup_drafts`, or several distinct chains
+verified as one tree for `lookup_treeD_W`, or beside the learned drafter's chain in one tree
+for `combined_treeD_W`); the host only keeps the bank
 of the `lookup_bank` most recently finished responses they also read. The device programs it
 calls are `rollout.steps` (where the exactness argument lives: slot, bucket, chunk size,
 refill order and compaction change no token), built ahead of time per (phase, bucket,
@@ -214,7 +216,7 @@ class RolloutEngine:
         host_s = time.perf_counter() - t0
         slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
                                                      slots, seed, drafts)
-      elif chosen.is_lookup:
+      elif chosen.reads_bank:
         slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
                                                      slots, seed, *self._bank_arrays())
       else:

@@ -183,7 +183,7 @@ class ProgramPool:
                             split_model=True, donate_argnums=(2,))
         return program.lower(self.params, self.draft_params, slots, i32, drafts)
 
-      if arm.is_lookup:  # a chunk of rounds drafted on device, from the rows and the bank
+      if arm.reads_bank:  # a chunk of rounds drafted on device, from the rows and the bank
         def fn(params, draft_params, s, seed, bank, bank_len):
           target, drafter = self._models(params, draft_params)
           return steps.decode_chunk(target, drafter, cfg, arm, s, seed, bank, bank_len)

@@ -4,8 +4,12 @@
 
   prefill       a bucket of prompts -> fresh slots (first token sampled, drafter cache filled)
   decode_chunk  up to `chunk_steps` rounds on device: plain steps, or chain (`_sd_step`) or tree
-                (`_tree_step`) speculative rounds, both ending in `_commit`, or lookup rounds
-                (`_lookup_drafts` then `_verify_drafts`); after a plain chunk the drafter's
+                (`_tree_step`, its verify `_verify_tree`) speculative rounds, all ending in
+                `_commit`, or lookup rounds: a chain (`_lookup_drafts` then `_verify_drafts`)
+                or the trie of several looked-up chains (`_lookup_tree_chains`,
+                `_chains_to_tree`, then `_verify_tree`), or the combined arm's rounds (the
+                learned chain and looked-up ones in one trie, `_combined_step`); after a
+                plain chunk the drafter's
                 cache catches up in one forward (`_drafter_catch_up`)
   history_round one chain round whose drafts come from the host (`rollout.history`), verified
                 and committed by `_verify_drafts`
@@ -129,18 +133,8 @@ def _sd_step(target, drafter, cfg: EngineConfig, depth: int, s: Slots, seed):
   B = s.token.shape[0]
   greedy = cfg.sampling.temperature == 0.0
   purpose = sampling.PURPOSE_TOKEN if cfg.verification == "gumbel" else sampling.PURPOSE_DRAFT
-  # Draft: the first step reads the target's feature, later ones the drafter's own.
-  tok, feat, draft_cache = s.token, s.prev_hidden, s.draft_cache
-  drafts, draft_masked = [], []
-  for j in range(depth):
-    dlogits, dfeat, draft_cache = drafter(target, tok[:, None], feat[:, None], draft_cache,
-                                          s.pos + j)
-    masked = sampling.masked_logits(dlogits[:, 0], cfg.sampling)
-    tok = sampling.sample_from_masked(masked, seed, s.sample_id, s.pos + j + 1, greedy, purpose)
-    feat = dfeat[:, 0]
-    drafts.append(tok)
-    draft_masked.append(masked)
-  drafts_BxK = jnp.stack(drafts, axis=1)
+  drafts_BxK, draft_masked, draft_cache = _draft_chain(target, drafter, cfg, depth, s, seed,
+                                                       purpose)
   # Verify: the target sees [token, d_1..d_k] at slots pos..pos+k (the cache is written first).
   out = target(jnp.concatenate([s.token[:, None], drafts_BxK], axis=1), cache=s.cache,
                write_slot_B=s.pos)
@@ -162,6 +156,40 @@ def _sd_step(target, drafter, cfg: EngineConfig, depth: int, s: Slots, seed):
   logits_BxK1xV = target_masked.reshape(B, K1, -1)
   return _commit(target, drafter, cfg, s, out.cache, draft_cache, emitted, accepted,
                  logits_BxK1xV, out.hidden_BxTxD)
+
+
+def _draft_chain(target, drafter, cfg: EngineConfig, depth: int, s: Slots, seed, purpose):
+  """The learned drafter's chain of `depth` tokens: ([B, depth] drafts, each level's masked
+  logits, the drafter's cache with entries pos .. pos + depth - 1 written). The first step
+  reads the target's feature, later ones the drafter's own."""
+  greedy = cfg.sampling.temperature == 0.0
+  tok, feat, draft_cache = s.token, s.prev_hidden, s.draft_cache
+  drafts, draft_masked = [], []
+  for j in range(depth):
+    dlogits, dfeat, draft_cache = drafter(target, tok[:, None], feat[:, None], draft_cache,
+                                          s.pos + j)
+    masked = sampling.masked_logits(dlogits[:, 0], cfg.sampling)
+    tok = sampling.sample_from_masked(masked, seed, s.sample_id, s.pos + j + 1, greedy, purpose)
+    feat = dfeat[:, 0]
+    drafts.append(tok)
+    draft_masked.append(masked)
+  return jnp.stack(drafts, axis=1), draft_masked, draft_cache
+
+
+def _combined_step(target, drafter, cfg: EngineConfig, arm: Arm, s: Slots, seed, bank_HxN,
+                   bank_len_H):
+  """One round of the combined arm: the learned drafter's chain and `arm.topk - 1` distinct
+  looked-up chains, merged into one trie (the learned chain first: where a looked-up chain
+  agrees with it, it extends that branch) and verified by one tree forward."""
+  B = s.token.shape[0]
+  learned_BxK, _, draft_cache = _draft_chain(target, drafter, cfg, arm.depth, s, seed,
+                                             sampling.PURPOSE_TOKEN)
+  looked_up_BxWxK, found_BxW = _lookup_tree_chains(s, bank_HxN, bank_len_H, arm.depth,
+                                                   arm.topk - 1, cfg.lookup_max_order)
+  chains = jnp.concatenate([learned_BxK[:, None], looked_up_BxWxK], axis=1)
+  valid = jnp.concatenate([jnp.ones((B, 1), bool), found_BxW], axis=1)
+  return _verify_tree(target, drafter, cfg, s, seed, *_chains_to_tree(s.token, chains, valid),
+                      draft_cache)
 
 
 def _commit(target, drafter, cfg, s: Slots, cache, draft_cache, emitted_BxK1, accepted_B,
@@ -570,7 +598,9 @@ def decode_chunk(target, drafter, cfg: EngineConfig, arm: Arm, s: Slots, seed, b
   def body(carry):
     step, s, emitted, row_rounds = carry
     row_rounds = row_rounds + jnp.sum(s.live & ~s.done).astype(jnp.int32)
-    if arm.is_lookup and arm.is_tree:
+    if arm.is_combined:
+      s, n = _combined_step(target, drafter, cfg, arm, s, seed, bank_HxN, bank_len_H)
+    elif arm.is_lookup and arm.is_tree:
       chains, valid = _lookup_tree_chains(s, bank_HxN, bank_len_H, arm.depth, arm.topk,
                                           cfg.lookup_max_order)
       s, n = _verify_tree(target, drafter, cfg, s, seed, *_chains_to_tree(s.token, chains, valid),

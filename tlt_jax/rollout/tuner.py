@@ -23,7 +23,7 @@ import re
 import numpy as np
 
 OFF = "off"
-LEARNED, HISTORY, LOOKUP = "learned", "history", "lookup"
+LEARNED, HISTORY, LOOKUP, COMBINED = "learned", "history", "lookup", "combined"
 MODEL_FREE = (HISTORY, LOOKUP)
 
 
@@ -36,7 +36,8 @@ class Arm:
   chunk (the longest match of each row's last tokens in the bucket's rows and a bank of recent
   responses, `rollout.steps._lookup_drafts`). History arms draft chains; a lookup tree's
   `topk` is its number of distinct looked-up chains, merged into one trie and verified whole
-  (`verify` = 1 + depth * topk)."""
+  (`verify` = 1 + depth * topk). The combined arm's tree holds the learned drafter's chain and
+  `topk - 1` looked-up chains, one verify for both drafters' candidates."""
   name: str
   depth: int = 0
   topk: int = 0    # 0 = chain
@@ -44,15 +45,19 @@ class Arm:
   drafter: str = LEARNED
 
   def __post_init__(self):
-    if self.drafter not in (LEARNED, *MODEL_FREE):
-      raise ValueError(f"arm {self.name}: drafter must be one of {(LEARNED, *MODEL_FREE)}")
-    if self.drafter in MODEL_FREE and not self.depth:
-      raise ValueError(f"arm {self.name}: {self.drafter} arms are chains of depth >= 1")
-    if self.drafter == HISTORY and self.topk:
+    if self.drafter not in (LEARNED, COMBINED, *MODEL_FREE):
+      raise ValueError(f"arm {self.name}: drafter must be one of "
+                       f"{(LEARNED, COMBINED, *MODEL_FREE)}")
+    if self.drafter == HISTORY and (self.topk or not self.depth):
       raise ValueError(f"arm {self.name}: history arms are chains of depth >= 1")
-    if self.drafter == LOOKUP and self.topk and self.verify != 1 + self.depth * self.topk:
-      raise ValueError(f"arm {self.name}: a lookup tree verifies all its nodes "
-                       f"(verify = {1 + self.depth * self.topk})")
+    if self.drafter == LOOKUP and not self.depth:
+      raise ValueError(f"arm {self.name}: lookup arms draft depth >= 1 tokens per chain")
+    if (self.drafter == LOOKUP and self.topk or self.drafter == COMBINED) and (
+        self.depth < 1 or self.topk < (2 if self.drafter == COMBINED else 1)
+        or self.verify != 1 + self.depth * self.topk):
+      raise ValueError(f"arm {self.name}: a {self.drafter} tree of depth >= 1 verifies all its "
+                       f"chains' nodes (verify = 1 + depth * chains), the combined one at least "
+                       f"one looked-up chain beside the learned one")
     if self.topk and not 2 <= self.verify <= 1 + self.depth * self.topk:
       raise ValueError(f"arm {self.name}: a tree of depth {self.depth} x top-{self.topk} has "
                        f"{1 + self.depth * self.topk} nodes; verify={self.verify} must be in "
@@ -67,9 +72,18 @@ class Arm:
     return self.drafter == LOOKUP
 
   @property
+  def is_combined(self) -> bool:
+    return self.drafter == COMBINED
+
+  @property
+  def reads_bank(self) -> bool:
+    """Whether its program takes the bank of recent responses (it looks drafts up on device)."""
+    return self.drafter in (LOOKUP, COMBINED)
+
+  @property
   def needs_drafter(self) -> bool:
     """Whether the arm needs the learned drafter."""
-    return self.depth > 0 and self.drafter == LEARNED
+    return self.depth > 0 and self.drafter in (LEARNED, COMBINED)
 
   @property
   def is_tree(self) -> bool:
@@ -107,10 +121,18 @@ def lookup_tree_arm(depth: int, chains: int) -> Arm:
   return Arm(f"lookup_tree{depth}_{chains}", depth, chains, 1 + depth * chains, drafter=LOOKUP)
 
 
+def combined_arm(depth: int, looked_up: int) -> Arm:
+  """The learned drafter's chain of `depth` and `looked_up` looked-up chains, one tree."""
+  chains = 1 + looked_up
+  return Arm(f"combined_tree{depth}_{looked_up}", depth, chains, 1 + depth * chains,
+             drafter=COMBINED)
+
+
 def parse_arms(spec: str) -> tuple[Arm, ...]:
   """'chain2,tree6_4_32,history_chain4,lookup_chain4,lookup_tree4_3' -> (off, chain2,
   tree6_4_32, history_chain4, lookup_chain4, lookup_tree4_3): `off` is always an arm.
-  lookup_treeDEPTH_CHAINS: that many distinct looked-up chains of DEPTH tokens as one tree."""
+  lookup_treeDEPTH_CHAINS: that many distinct looked-up chains of DEPTH tokens as one tree;
+  combined_treeDEPTH_CHAINS: the learned drafter's chain and that many looked-up ones."""
   arms = [Arm(OFF)]
   for name in (n.strip() for n in spec.split(",") if n.strip()):
     if re.fullmatch(r"chain\d+", name):
@@ -126,9 +148,16 @@ def parse_arms(spec: str) -> tuple[Arm, ...]:
       if chains < 1:
         raise ValueError(f"SD arm {name!r}: a lookup tree needs at least one chain")
       arms.append(lookup_tree_arm(depth, chains))
+    elif re.fullmatch(r"combined_tree\d+_\d+", name):
+      depth, chains = (int(x) for x in name[13:].split("_"))
+      if chains < 1:
+        raise ValueError(f"SD arm {name!r}: the combined tree needs at least one looked-up "
+                         "chain")
+      arms.append(combined_arm(depth, chains))
     elif name != OFF:
       raise ValueError(f"unknown SD arm {name!r}: use chainN, treeDEPTH_TOPK_VERIFY, "
-                       "history_chainN, lookup_chainN or lookup_treeDEPTH_CHAINS")
+                       "history_chainN, lookup_chainN, lookup_treeDEPTH_CHAINS or "
+                       "combined_treeDEPTH_CHAINS")
   return tuple(arms)
 
 
