@@ -1,0 +1,207 @@
+"""Accept length of the lookup arms, chains vs trees, on the RL job's own GRPO rollouts.
+
+    python -m experiments.bench_lookup_replay     # ~4 min here
+
+What a lookup round accepts does not depend on the device: verification is exact, so a draft
+token is accepted iff it is the token the run emits there. This script runs bench_tlt's
+baseline job (tiny_arith, 8 prompts x 4 samples, 10 steps, 2 rollout groups: the trajectory
+every bench_tlt variant decodes, `same_trajectory`) once, records each step's prompts and
+responses, and replays every rollout group's decoding in lockstep rounds through the engine's own
+device search (`rollout.steps._lookup_drafts`, `_lookup_tree_chains`, `_chains_to_tree`) for
+each lookup arm used in every round: a chain is accepted up to its first token that differs
+from the response, a tree along the deepest path of the response's tokens from its root (the
+walk `_verify_tree` does), and each round emits that plus one token. What a row looks up in is
+the engine's: its group's rows still decoding (prompts and responses so far) and a bank of the
+`rollout.lookup_bank` most recently finished responses (finished rows leave the bucket and
+enter the bank, across steps). Not replayed: the tuner (every round uses the arm), chunk
+boundaries, and the order in which rows of a round finish (all of a round's finished rows
+enter the bank after it).
+
+Reported per arm: accept length (tokens emitted per row per round, plain decoding = 1), rounds,
+verify tokens per row per round, and emitted tokens per verified token, the figure that decides
+the arm on a device where a verify of a few tokens costs about one decode step (memory-bound),
+and against it on one where it costs as many steps as tokens (this CPU, `forward.json`).
+Prints one JSON object and writes experiments/results/lookup_replay.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+
+from experiments import bench_tlt  # sets the 2 host devices before JAX starts
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import tlt_jax
+from tlt_jax import logs
+from tlt_jax.rl import step as step_lib
+from tlt_jax.rollout import steps as steps_lib
+from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.tuner import parse_arms
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ARMS = "lookup_chain2,lookup_chain4,lookup_chain8,lookup_tree4_2,lookup_tree4_3,lookup_tree8_3"
+NO_MATCH = -7  # a token id no text holds: a finished row's slot in the bucket matches nothing
+
+
+def record_rollouts(steps: int, groups: int) -> tuple[list, object]:
+  """[(prompts, responses) per step], the job's config: bench_tlt's baseline run."""
+  logs.configure("warning")
+  recorded = []
+  score = step_lib.score
+
+  def recording_score(job, ro):
+    recorded.append(([np.asarray(p).tolist() for p in ro.prompts],
+                     [np.asarray(t).tolist() for t in ro.tokens]))
+    return score(job, ro)
+
+  step_lib.score = recording_score
+  try:
+    with tempfile.TemporaryDirectory() as tmp:
+      c = bench_tlt.variant_config("baseline", steps, tmp, "", groups=groups)
+      tlt_jax.run_training(c, "baseline")
+  finally:
+    step_lib.score = score
+  return recorded, c
+
+
+class Bank:
+  """The engine's ring of the most recently finished responses."""
+
+  def __init__(self, size: int, max_new: int):
+    self.tokens = np.zeros((size, max_new), np.int32)
+    self.lengths = np.zeros((size,), np.int32)
+    self.next = 0
+
+  def add(self, response) -> None:
+    if not len(self.lengths):
+      return
+    n = min(len(response), self.tokens.shape[1])
+    self.tokens[self.next] = 0
+    self.tokens[self.next, :n] = response[:n]
+    self.lengths[self.next] = n
+    self.next = (self.next + 1) % len(self.lengths)
+
+
+def slots_for(prompts, responses, gen, P: int, N: int):
+  """The bucket's state after each row emitted gen[r] tokens of its response (gen 0: finished,
+  its slot matches nothing)."""
+  B = len(prompts)
+  prompt_BxP = np.zeros((B, P), np.int32)
+  out_BxN = np.zeros((B, N), np.int32)
+  prompt_len = np.ones((B,), np.int32)
+  g = np.ones((B,), np.int32)
+  for r, (p, y) in enumerate(zip(prompts, responses)):
+    if gen[r]:
+      prompt_BxP[r, :len(p)] = p
+      out_BxN[r, :gen[r]] = y[:gen[r]]
+      prompt_len[r], g[r] = len(p), gen[r]
+    else:
+      prompt_BxP[r, 0], out_BxN[r, 0] = NO_MATCH, NO_MATCH
+  zeros = jnp.zeros((B,), jnp.int32)
+  return steps_lib.Slots(
+      cache=None, draft_cache=None, token=jnp.asarray(out_BxN[np.arange(B), g - 1]),
+      pos=jnp.asarray(prompt_len + g - 1), prev_hidden=jnp.zeros((B, 1)), sample_id=zeros,
+      gen=jnp.asarray(g), max_new=jnp.full((B,), N), done=jnp.zeros((B,), bool),
+      live=jnp.ones((B,), bool), out_tokens=jnp.asarray(out_BxN),
+      out_logprobs=jnp.zeros((B, 1)), out_hidden=jnp.zeros((B, 1, 1)),
+      prompt_tokens=jnp.asarray(prompt_BxP))
+
+
+def tree_accepts(tokens, parents, truth) -> int:
+  """Depth of the deepest node a walk reaches following `truth` from the root."""
+  cur, depth = 0, 0
+  for t in truth:
+    nxt = np.nonzero((parents == cur) & (tokens == t))[0]
+    if not len(nxt):
+      break
+    cur, depth = int(nxt[0]), depth + 1
+  return depth
+
+
+def replay_arm(arm, recorded, groups: int, P: int, N: int, bank_size: int, max_order: int):
+  chain = jax.jit(steps_lib._lookup_drafts, static_argnums=(3, 4))
+  tree = jax.jit(lambda s, bank, bank_len, depth, width, order: steps_lib._chains_to_tree(
+      s.token, *steps_lib._lookup_tree_chains(s, bank, bank_len, depth, width, order)),
+      static_argnums=(3, 4, 5))
+  bank = Bank(bank_size, N)
+  rounds = row_rounds = emitted = 0
+  for prompts, responses in recorded:
+    per_group = len(prompts) // groups
+    for g0 in range(0, len(prompts), per_group):
+      ps, ys = prompts[g0:g0 + per_group], responses[g0:g0 + per_group]
+      gen = np.ones((len(ps),), np.int32)  # prefill emitted each row's first token
+      finished = [len(y) <= 1 for y in ys]
+      gen[finished] = 0
+      for r in np.nonzero(finished)[0]:
+        bank.add(ys[r])
+      while gen.any():
+        s = slots_for(ps, ys, gen, P, N)
+        bank_args = (jnp.asarray(bank.tokens), jnp.asarray(bank.lengths))
+        if arm.is_tree:
+          tok, par, _, _ = (np.asarray(x) for x in tree(s, *bank_args, arm.depth, arm.topk,
+                                                         max_order))
+        else:
+          drafts = np.asarray(chain(s, *bank_args, arm.depth, max_order))
+        done_now = []
+        live = np.nonzero(gen)[0]
+        for r in live:
+          truth = ys[r][gen[r]:gen[r] + arm.depth]
+          if arm.is_tree:
+            accepted = tree_accepts(tok[r], par[r], truth)
+          else:
+            accepted = 0
+            while accepted < len(truth) and drafts[r, accepted] == truth[accepted]:
+              accepted += 1
+          n = min(accepted + 1, len(ys[r]) - gen[r])
+          emitted += int(n)
+          gen[r] += n
+          if gen[r] >= len(ys[r]):
+            done_now.append(r)
+        rounds += 1
+        row_rounds += len(live)
+        for r in done_now:
+          gen[r] = 0
+          bank.add(ys[r])
+  return dict(arm=arm.name, accept_len=emitted / row_rounds, rounds=rounds,
+              row_rounds=row_rounds, tokens=emitted, verify_tokens_per_row_round=arm.verify_tokens,
+              emitted_per_verify_token=emitted / row_rounds / arm.verify_tokens)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--arms", default=ARMS)
+  args = parser.parse_args()
+  t0 = time.perf_counter()
+  recorded, c = record_rollouts(args.steps, groups=2)
+  record_s = time.perf_counter() - t0
+  P, N = c.rollout.max_prompt_len, c.rollout.max_new_tokens
+  arms = [a for a in parse_arms(args.arms) if a.depth]
+  max_order = EngineConfig.lookup_max_order  # the engine's (not a run config key)
+  results = [replay_arm(a, recorded, 2, P, N, c.rollout.lookup_bank, max_order) for a in arms]
+  report = dict(
+      command="python -m experiments.bench_lookup_replay",
+      job=f"bench_tlt baseline: tiny_arith, 8 prompts x 4 samples, {args.steps} steps, "
+          "2 rollout groups",
+      responses=sum(len(ys) for _, ys in recorded),
+      response_tokens=sum(len(y) for _, ys in recorded for y in ys),
+      lookup_bank=c.rollout.lookup_bank, lookup_max_order=max_order, arms=results,
+      record_s=record_s, seconds=time.perf_counter() - t0,
+      platform=f"{jax.default_backend()} ({platform.machine()}, {os.cpu_count()} cores), "
+               f"jax {jax.__version__}")
+  os.makedirs(RESULTS_DIR, exist_ok=True)
+  with open(os.path.join(RESULTS_DIR, "lookup_replay.json"), "w") as f:
+    json.dump(report, f, indent=2)
+  print(json.dumps(report))
+
+
+if __name__ == "__main__":
+  main()
