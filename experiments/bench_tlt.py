@@ -97,7 +97,8 @@ def run_variant(name: str, c) -> dict:
           "drafter_steps", "drafter_version", "drafter_loss", "drafter_top1_agreement",
           "idle_device_s", "reward_mean", "response_len_max")
   return {
-      "per_step": [{k: r.get(k) for k in keep} for r in rows],
+      "per_step": [{**{k: r.get(k) for k in keep},
+                    **{k: v for k, v in r.items() if k.startswith("arm_")}} for r in rows],
       "step_s_total": float(sum(r["step_s"] for r in rows)),
       "rollout_s_total": float(sum(r["rollout_s"] for r in rows)),
       "train_s_total": float(sum(r["train_s"] for r in rows)),

@@ -22,6 +22,8 @@ from tlt_jax import config as config_lib
 from tlt_jax import job, metrics, run_state
 
 TIMING = {"rollout_s", "reward_wait_s", "train_s", "step_s", "rollout_tokens_per_s"}
+# Per-arm figures: seconds always, and which arms ran whenever the tuner chose by timing.
+ARM_TIMED = ("arm_seconds/", "arm_chunk_fraction/", "arm_accept_len/")
 
 
 def _workdir_with_checkpoint(tmp_path, c):
@@ -123,7 +125,7 @@ def _cli(workdir, steps):
 
 
 def _rows(workdir):
-  return [{k: v for k, v in r.items() if k not in TIMING}
+  return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("arm_seconds/")}
           for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
 
 
@@ -397,7 +399,8 @@ TLT_CHAIN = ("spill", "checkpoint", "next_rollout", "spill", "update", "checkpoi
 
 
 def _tlt_rows(workdir):
-  return [{k: v for k, v in r.items() if k not in TLT_TIMED and not k.startswith("drafter_")}
+  return [{k: v for k, v in r.items()
+           if k not in TLT_TIMED and not k.startswith(("drafter_", *ARM_TIMED))}
           for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
 
 

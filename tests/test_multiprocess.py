@@ -64,7 +64,7 @@ def test_two_processes_run_rl_steps_with_tlt_resume_and_agree(tmp_path):
   assert len(rows[0]) == len(rows[1]) == 2
   for step in (0, 1):
     shared = {k: v for k, v in rows[0][step].items()
-              if k not in LOCAL and not k.startswith("drafter_")}
+              if k not in LOCAL and not k.startswith(("drafter_", "arm_"))}
     assert shared == {k: rows[1][step][k] for k in shared}
     # Batch-invariant numerics with the trainer's rows split across hosts: still on-policy.
     assert rows[0][step]["logp_abs_diff_max"] == 0.0 and rows[0][step]["kl_sample_train"] == 0.0

@@ -62,7 +62,8 @@ def test_smoke_run_writes_its_outputs(smoke_run):
 
 
 def _rows(workdir, drop=TIMING):
-  return [{k: v for k, v in r.items() if k not in drop and not k.startswith("drafter_")}
+  # arm_*: per-arm tuner figures (seconds; which arms ran is chosen by timing)
+  return [{k: v for k, v in r.items() if k not in drop and not k.startswith(("drafter_", "arm_"))}
           for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
 
 
@@ -133,6 +134,15 @@ def test_history_arms_change_nothing_but_time(plain_run, tmp_path):
   assert not on["tlt"]
   records = metrics.read_jsonl(str(tmp_path / "hist" / "metrics.jsonl"))
   assert max(r.get("sd_chunk_fraction", 0.0) for r in records) > 0.0  # history rounds ran
+  # Per arm, each step: the fractions of decode chunks cover them all, and the model-free ones
+  # are what sd_chunk_fraction counts (computed from the chunks separately).
+  steps = [r for r in records if "reward_mean" in r]
+  for r in steps:
+    fractions = {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("arm_chunk_fraction/")}
+    assert set(fractions) <= {"off", "history_chain2", "lookup_chain4"}
+    assert sum(fractions.values()) == pytest.approx(1.0)
+    assert 1.0 - fractions.get("off", 0.0) == pytest.approx(r["sd_chunk_fraction"])
+    assert all(r[f"arm_accept_len/{arm}"] > 0 and r[f"arm_seconds/{arm}"] > 0 for arm in fractions)
   drop = TIMING | TLT_ONLY
   assert _rows(off_dir, drop) == _rows(tmp_path / "hist", drop)
   _assert_same_adapter(_adapter(off_dir), _adapter(tmp_path / "hist"))

@@ -167,6 +167,29 @@ def dapo_rollouts(job: Job, step: int, first: Rollout, *, on_sample=None) -> Rol
   return ro
 
 
+def _summed_by_arm(reports) -> dict[str, dict]:
+  out: dict[str, dict] = {}
+  for r in reports:
+    for arm, totals in r.by_arm.items():
+      into = out.setdefault(arm, dict.fromkeys(totals, 0))
+      for key, value in totals.items():
+        into[key] += value
+  return out
+
+
+def arm_metrics(by_arm: dict[str, dict]) -> dict[str, float]:
+  """Per arm the tuner ran this step: the fraction of decode chunks, their seconds and tokens
+  per live row per round (`arm_chunk_fraction/<arm>`, `arm_seconds/<arm>`,
+  `arm_accept_len/<arm>`); arms it did not run have no keys that step."""
+  chunks = sum(a["chunks"] for a in by_arm.values())
+  out = {}
+  for arm, a in sorted(by_arm.items()):
+    out[f"arm_chunk_fraction/{arm}"] = a["chunks"] / max(chunks, 1)
+    out[f"arm_seconds/{arm}"] = float(a["seconds"])
+    out[f"arm_accept_len/{arm}"] = a["emitted"] / max(a["row_rounds"], 1)
+  return out
+
+
 def _joined(rounds: list[Rollout]) -> Rollout:
   """Several rollouts of one step as one: samples, rewards and seconds of all of them; the
   report's per-rollout figures summed (accept_len and sd_chunk_fraction weighted by this
@@ -181,7 +204,8 @@ def _joined(rounds: list[Rollout]) -> Rollout:
       drafter_steps=sum(r.drafter_steps for r in reports),
       drafter_metrics=reports[-1].drafter_metrics,
       accept_len=float(np.dot(weights, [r.accept_len for r in reports])),
-      sd_chunk_fraction=float(np.dot(weights, [r.sd_chunk_fraction for r in reports])))
+      sd_chunk_fraction=float(np.dot(weights, [r.sd_chunk_fraction for r in reports])),
+      by_arm=_summed_by_arm(reports))
   drafter_record = dict(rounds[-1].drafter_record)
   for key in ("drafter_steps", "idle_device_s"):
     if key in drafter_record:
@@ -243,7 +267,8 @@ def record(ro: Rollout, scored: Scored, stats: dict, train_s: float) -> dict:
       "rollout_s": ro.rollout_s, "reward_wait_s": ro.reward_wait_s, "train_s": train_s,
       "rollout_tokens_per_s": float(ro.local_tokens / ro.rollout_s),
       "accept_len": report.accept_len, "sd_chunk_fraction": report.sd_chunk_fraction,
-      **ro.reward_record, **ro.drafter_record, **ro.dapo_record, **stats}
+      **arm_metrics(report.by_arm), **ro.reward_record, **ro.drafter_record, **ro.dapo_record,
+      **stats}
 
 
 def run(job: Job, step: int, rows: list[dict], *, on_sample=None) -> tuple[dict, Rollout]:

@@ -48,7 +48,22 @@ class RolloutReport:
   drafter_metrics: dict = dataclasses.field(default_factory=dict)
   accept_len: float = 1.0
   sd_chunk_fraction: float = 0.0  # decode chunks the tuner ran speculatively
+  # per arm the tuner ran: decode chunks, their seconds, tokens emitted, live rows x rounds
+  by_arm: dict = dataclasses.field(default_factory=dict)
   trace: list = dataclasses.field(default_factory=list)  # the first group's decode chunks
+
+
+def arm_totals(chunks) -> dict[str, dict]:
+  """Per arm: decode chunks, their seconds, tokens emitted and live rows x rounds (what
+  `accept_len` divides by), summable across rollouts."""
+  out: dict[str, dict] = {}
+  for t in chunks:
+    a = out.setdefault(t.arm, dict(chunks=0, seconds=0.0, emitted=0, row_rounds=0))
+    a["chunks"] += 1
+    a["seconds"] += t.seconds
+    a["emitted"] += t.emitted
+    a["row_rounds"] += t.live * t.rounds
+  return out
 
 
 class GroupedRollout:
@@ -164,6 +179,7 @@ class GroupedRollout:
     report.accept_len = (sum(t.emitted for t in chunks) /
                          max(sum(t.live * t.rounds for t in chunks), 1))
     report.sd_chunk_fraction = sum(t.arm != OFF for t in chunks) / max(len(chunks), 1)
+    report.by_arm = arm_totals(chunks)
     report.trace = [t for t in self.engines[0].trace[trace_from[0]:]]
     self.last_report = report
     return sorted(results, key=lambda s: s.sample_id)
