@@ -114,10 +114,19 @@ def _assert_pngs(paths, names):
 
 
 def test_plot_run_all(tmp_path):
-  paths = metrics.plot_run(str(tmp_path), RECORDS, TRACE)
+  # The tuner's per-arm figures, as rl.step.record writes them (an arm it did not run in a step
+  # has no keys that step).
+  tuned = {"arm_chunk_fraction/off": 0.5, "arm_chunk_fraction/chain4": 0.5,
+           "arm_accept_len/chain4": 2.1}
+  records = [{**r, **tuned} if i % 2 else {**r, "arm_chunk_fraction/off": 1.0}
+             for i, r in enumerate(RECORDS)]
+  paths = metrics.plot_run(str(tmp_path), records, TRACE)
   assert all(os.path.dirname(p) == str(tmp_path / "plots") for p in paths)
   _assert_pngs(paths, ["reward_accuracy.png", "response_length.png", "time_split.png",
-                       "live_slots.png"])
+                       "arms.png", "live_slots.png"])
+  only_off = [{**r, "arm_chunk_fraction/off": 1.0} for r in RECORDS]  # no choice: no arms.png
+  assert "arms.png" not in {os.path.basename(p) for p in metrics.plot_run(
+      str(tmp_path / "plain"), only_off)}
 
 
 def test_plot_run_skips_missing(tmp_path):

@@ -204,7 +204,9 @@ def plot_run(workdir: str, records: list[dict],
   """PNGs of a run in <workdir>/plots/; returns the paths written, skipping plots without data.
 
   reward_accuracy.png (reward_mean line, eval_accuracy markers), response_length.png,
-  time_split.png (stacked rollout / reward wait / train / other seconds per step) and, given a
+  time_split.png (stacked rollout / reward wait / train / other seconds per step), arms.png
+  (the fraction of decode chunks each speculative arm ran per step, with its mean accept
+  length; only when the tuner had arms besides off) and, given a
   trace of the last rollout's decode chunks, live_slots.png (live slots and bucket over wall time,
   shaded by speculative arm).
   """
@@ -270,6 +272,25 @@ def plot_run(workdir: str, records: list[dict],
         ax.bar(steps, values, bottom=bottom, label=key.removesuffix("_s"))
         bottom += values
     save(fig, ax, "time_split.png")
+
+  by_arm = {k.split("/", 1)[1] for r in records for k in r if k.startswith("arm_chunk_fraction/")}
+  if by_arm - {"off"}:  # the tuner had a choice: which arm it ran, step by step
+    arms = sorted(by_arm, key=lambda a: (a != "off", a))
+    fig, ax = new_axes("Decode chunks by arm (the tuner's choices)", "RL step",
+                       "fraction of decode chunks")
+    series = {a: dict(zip(*_series(records, f"arm_chunk_fraction/{a}"))) for a in arms}
+    steps = sorted({s for a in arms for s in series[a]})
+    bottom = np.zeros(len(steps))
+    for i, arm in enumerate(arms):
+      values = np.array([series[arm].get(s, 0.0) for s in steps])
+      accept = _series(records, f"arm_accept_len/{arm}")[1]
+      label = f"{arm} (plain)" if arm == "off" else (
+          f"{arm}, mean accept {np.mean(accept):.2f}" if accept else arm)
+      ax.bar(steps, values, bottom=bottom, color="0.8" if arm == "off" else f"C{i % 9}",
+             label=label)
+      bottom += values
+    ax.set_ylim(0.0, 1.0)
+    save(fig, ax, "arms.png")
 
   trace = [c for c in last_rollout_trace or []
            if all(isinstance(c.get(k), (int, float)) for k in ("start_s", "seconds", "live"))]
