@@ -108,15 +108,17 @@ def _engine_program(arch: str, phase: str, target: str):
   """The rollout engine's own program (`ProgramPool._lower`), its parameters abstract on the
   target's device: prefill, plain decode, chain verify (drafter included), tree verify, or a
   lookup chunk (drafts searched on device, verified as a chain or a tree, alone or with the
-  learned drafter's chain)."""
+  learned drafter's chain), or a history tree round (its chains an input)."""
   from tlt_jax.rollout.config import EngineConfig
   from tlt_jax.rollout.programs import ProgramPool
-  from tlt_jax.rollout.tuner import OFF, Arm, combined_arm, lookup_arm, lookup_tree_arm, tree_arm
+  from tlt_jax.rollout.tuner import (OFF, Arm, combined_arm, history_tree_arm, lookup_arm,
+                                     lookup_tree_arm, tree_arm)
 
   model, drafter = _tiny_models(arch)
   arms = {"decode": Arm(OFF), "verify_chain": Arm("chain4", 4),
           "verify_tree": tree_arm(3, 2, 5), "verify_lookup": lookup_arm(4),
-          "verify_lookup_tree": lookup_tree_arm(3, 2), "verify_combined": combined_arm(3, 2)}
+          "verify_lookup_tree": lookup_tree_arm(3, 2), "verify_combined": combined_arm(3, 2),
+          "verify_history_tree": history_tree_arm(3, 2)}
   arm = arms.get(phase, Arm(OFF))
   cfg = EngineConfig(buckets=(4,), max_prompt_len=16, max_new_tokens=32, chunk_steps=4,
                      arms=(Arm(OFF), arm) if arm.depth else (arm,), drafter_numerics="policy")
@@ -187,10 +189,11 @@ def _program_params():
   params.append(pytest.param("qwen3", "verify_tree", "tpu_v6e", id="qwen3-verify_tree-tpu_v6e"))
   # The lookup arms' chunks: drafts searched on device (a scan over corpus blocks) between
   # verifies, the bank of recent responses an input, verified as a chain, as the tree of
-  # several chains, or with the learned drafter's chain (combined); each once on a TPU, once on
-  # the GPU.
+  # several chains, or with the learned drafter's chain (combined); and the history drafter's
+  # tree round (its chains from the host); each once on a TPU, once on the GPU.
   params += [pytest.param(arch, program, target, id=f"{arch}-{program}-{target}")
-             for program in ("verify_lookup", "verify_lookup_tree", "verify_combined")
+             for program in ("verify_lookup", "verify_lookup_tree", "verify_combined",
+                             "verify_history_tree")
              for arch, target in (("qwen2", "tpu_v5e"), ("llama", "h100"))]
   return params
 

@@ -43,6 +43,65 @@ def _brute_propose(sequences, context, depth, max_order):
   return out
 
 
+def _brute_chains(sequences, context, depth, width, max_order):
+  """`propose_chains` by brute force: the greedy chain, then the best other paths of a beam of
+  `width` over the continuations of the longest matching suffix at each step, a path scored by
+  the product of count / total of its tokens' alternatives."""
+  counts = _brute_counts(sequences, max_order)
+
+  def options(context):
+    for m in range(min(len(context), max_order - 1), -1, -1):
+      s = tuple(context[len(context) - m:])
+      nexts = {k[-1]: c for k, c in counts.items() if len(k) == m + 1 and k[:-1] == s}
+      if nexts:
+        return nexts
+    return {}
+
+  first = _brute_propose(sequences, context, depth, max_order)
+  if not first:
+    return []
+  beam = [(1.0, [])]
+  for _ in range(depth):
+    grown = []
+    for score, tokens in beam:
+      nexts = options(list(context) + tokens)
+      if not nexts:
+        grown.append((score, tokens))
+        continue
+      total = sum(nexts.values())
+      for t in sorted(nexts, key=lambda k: (-nexts[k], k))[:width]:
+        grown.append((score * nexts[t] / total, tokens + [t]))
+    beam = sorted(grown, key=lambda x: (-x[0], x[1]))[:width]
+  chains = [first]
+  for _, tokens in beam:
+    if len(chains) < width and tokens and tokens not in chains:
+      chains.append(tokens)
+  return chains
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_chains_equal_a_brute_force_beam(seed):
+  rng = np.random.default_rng(10 + seed)
+  vocab = 3 + seed
+  trie = SuffixTrie(M)
+  recorded = {}
+  for k in range(4):
+    tokens = rng.integers(0, vocab, int(rng.integers(5, 30))).tolist()
+    trie.add(k, tokens)
+    recorded[k] = ((), tokens)
+  branched = 0
+  for n in (0, 1, 2, 3, 6):
+    for _ in range(4):
+      context = rng.integers(0, vocab, n).tolist()
+      for depth, width in ((1, 3), (3, 2), (4, 3)):
+        got, _ = trie.propose_chains(context, depth, width)
+        assert got == _brute_chains(recorded.values(), context, depth, width, M)
+        assert got[:1] == [trie.propose(context, depth)[0]][:len(got)]
+        assert len({tuple(c) for c in got}) == len(got)  # distinct
+        branched += len(got) > 1
+  assert branched  # the beam found alternatives
+
+
 def _trie_counts(trie):
   counts = {}
 

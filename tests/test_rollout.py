@@ -25,7 +25,8 @@ from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.tuner import (OFF, Arm, Tuner, combined_arm, default_arms, history_arm,
-                                   lookup_arm, lookup_tree_arm, parse_arms, tree_arm)
+                                   history_tree_arm, lookup_arm, lookup_tree_arm, parse_arms,
+                                   tree_arm)
 
 VOCAB = 12
 EOS = 3
@@ -108,13 +109,16 @@ def test_gumbel_speculative_decoding_is_bitwise_plain_decoding(arm):
 
 
 HISTORY_CFG = dataclasses.replace(
-    CFG, arms=(Arm(OFF), Arm("chain2", 2), history_arm(2), history_arm(4)))
+    CFG, arms=(Arm(OFF), Arm("chain2", 2), history_arm(2), history_arm(4),
+               history_tree_arm(3, 3)))
 
 
-@pytest.mark.parametrize("arm,drafter", [("history_chain2", False), ("history_chain4", True)])
+@pytest.mark.parametrize("arm,drafter", [("history_chain2", False), ("history_chain4", True),
+                                         ("history_tree3_3", False), ("history_tree3_3", True)])
 def test_history_chains_are_bitwise_plain_decoding(arm, drafter):
-  """Chains drafted on the host from the group's text, verified on device: the same tokens and
-  log-probs as plain decoding, with or without a learned drafter beside them."""
+  """Chains drafted on the host from the group's text, verified on device one at a time or as
+  the tree of several: the same tokens and log-probs as plain decoding, with or without a
+  learned drafter beside them."""
   _, reference = _plain()
   engine, samples = _run(HISTORY_CFG, drafter=drafter, arm=arm)
   _assert_same(reference, samples)
@@ -302,7 +306,7 @@ def test_the_tuner_free_over_history_and_learned_arms_is_bitwise_plain():
   assert {OFF, "chain2", "history_chain2"} <= {t.arm for t in engine.trace}
   assert [a.name for a in parse_arms("chain2, history_chain4")] == [
       OFF, "chain2", "history_chain4"]
-  with pytest.raises(ValueError, match="history arms are chains of depth >= 1"):
+  with pytest.raises(ValueError, match="history arms draft depth >= 1"):
     parse_arms("history_chain0")
   tree, combined = parse_arms("lookup_tree4_3,combined_tree4_2")[1:]
   assert (tree.verify_tokens, combined.verify_tokens) == (13, 13)

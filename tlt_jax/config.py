@@ -74,8 +74,8 @@ def default_config() -> ml_collections.ConfigDict:
       # host (rollout/history.py) from the prompt, the group's siblings so far and earlier
       # responses to the same prompt, one verify round per program call. lookup_chainN: chains
       # looked up on device (rollout/steps.py) in the bucket's rows and a bank of recent
-      # responses, chunk_steps rounds per call. lookup_treeD_W: W distinct looked-up chains of
-      # D tokens verified as one tree (1 + D * W tokens per row). E.g.
+      # responses, chunk_steps rounds per call. history_treeD_W / lookup_treeD_W: W distinct
+      # chains of D tokens verified as one tree (1 + D * W tokens per row). E.g.
       # "lookup_chain4,lookup_tree4_3,history_chain4"
       history_arms="",
       # also draft from a global suffix trie over this many recent response tokens of every
@@ -312,8 +312,8 @@ def _history_problems(r: ml_collections.ConfigDict) -> list[str]:
   except ValueError as e:
     return [f"rollout.history_arms={r.history_arms!r}: {e}"]
   problems = [f"rollout.history_arms={r.history_arms!r}: {a.name!r} is not a model-free arm "
-              "(history_chainN, lookup_chainN or lookup_treeDEPTH_CHAINS; learned-drafter arms go "
-              "in tlt.arms)"
+              "(history_chainN, history_treeD_W, lookup_chainN or lookup_treeD_W; learned-drafter "
+              "arms go in tlt.arms)"
               for a in arms if a.needs_drafter]
   if r.history_global_tokens < 0:
     problems.append(f"rollout.history_global_tokens={r.history_global_tokens} must be >= 0 "

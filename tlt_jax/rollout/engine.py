@@ -212,10 +212,10 @@ class RolloutEngine:
       program = self.pool.get("decode", bucket, chosen.name)
       host_s = 0.0
       if chosen.is_history:
-        drafts = self._history_drafts(slots, row_sample, chosen.depth)
+        drafts = self._history_drafts(slots, row_sample, chosen)
         host_s = time.perf_counter() - t0
         slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
-                                                     slots, seed, drafts)
+                                                     slots, seed, *drafts)
       elif chosen.reads_bank:
         slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
                                                      slots, seed, *self._bank_arrays())
@@ -249,19 +249,28 @@ class RolloutEngine:
       return self.tuner.arms[OFF]
     return self.tuner.choose(bucket)
 
-  def _history_drafts(self, slots, row_sample, depth: int) -> np.ndarray:
-    """[bucket, depth] drafts: each live row's tokens so far recorded in its group, then its
-    chain. A short chain is padded (any token: verification rejects what the target would not
-    emit); free rows draft zeros."""
+  def _history_drafts(self, slots, row_sample, arm: Arm) -> tuple[np.ndarray, ...]:
+    """The history round's inputs: each live row's tokens so far recorded in its group, then
+    its chain, (drafts [bucket, depth],) padded with any token (verification rejects what the
+    target would not emit), or for a tree its chains (drafts [bucket, chains, depth], -1 past
+    a chain's end; valid [bucket, chains]). Free rows draft nothing."""
     tokens, gen = np.asarray(slots.out_tokens), np.asarray(slots.gen)
-    drafts = np.zeros((len(row_sample), depth), np.int32)
     live = [(r, sid) for r, sid in enumerate(row_sample) if sid is not None]
     for r, sid in live:  # every sibling's newest tokens first, then the drafts that read them
       self.history.extend(sid, tokens[r, :int(gen[r])])
+    if not arm.is_tree:
+      drafts = np.zeros((len(row_sample), arm.depth), np.int32)
+      for r, sid in live:
+        chain = self.history.propose(sid, arm.depth)
+        drafts[r, :len(chain)] = chain
+      return (drafts,)
+    drafts = np.full((len(row_sample), arm.topk, arm.depth), -1, np.int32)
+    valid = np.zeros((len(row_sample), arm.topk), bool)
     for r, sid in live:
-      chain = self.history.propose(sid, depth)
-      drafts[r, :len(chain)] = chain
-    return drafts
+      for w, chain in enumerate(self.history.propose_chains(sid, arm.depth, arm.topk)):
+        drafts[r, w, :len(chain)] = chain
+        valid[r, w] = True
+    return drafts, valid
 
   def _bank_arrays(self):
     if self._bank_on_device is None:

@@ -9,7 +9,9 @@ longer suffix than the group's). A node is a string s of at most `max_order` tok
 is how many times s occurs (ending at a recorded position); its children's counts are the
 continuations of s. A chain for a sample's current suffix is read
 from the longest suffix that has a continuation, taking the most frequent one (ties: the lower
-token id), then its most frequent continuation, and so on: counts are the scores.
+token id), then its most frequent continuation, and so on: counts are the scores. A tree
+(`propose_chains`) is that chain plus the most likely other paths of a beam over the counts,
+verified as their trie (`rollout.steps._chains_to_tree`).
 
 Cost, with M = max_order: appending a token is O(M) (each sequence keeps the nodes of its last
 M - 1 suffixes, and each gains one child); proposing K tokens is O(K * M) dictionary steps
@@ -147,12 +149,45 @@ class SuffixTrie:
       t, child = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
       tokens.append(t)
       counts.append(child.count)
-      context = (context + [t])[-(self.max_order - 1):]
-      if m + 1 < self.max_order and child.children:
-        m, node = m + 1, child  # s + t is itself the longest matching suffix
-      else:
-        m, node = self.longest_match(context)
+      context, m, node = self._advance(context, m, t, child)
     return tokens, counts, first_match
+
+  def _advance(self, context, m, t, child):
+    """The state after appending t (whose node under the matched suffix is `child`)."""
+    context = (context + [t])[-(self.max_order - 1):]
+    if m + 1 < self.max_order and child.children:
+      return context, m + 1, child  # s + t is itself the longest matching suffix
+    return (context, *self.longest_match(context))
+
+  def propose_chains(self, context, depth: int, width: int) -> tuple[list[list[int]], int]:
+    """(chains, match length): up to `width` distinct chains of up to `depth` tokens, the
+    first `propose`'s, then the most likely others by a beam over continuations scored by
+    their counts (a path's score: the product of each token's count over its siblings'
+    total, the frequency estimate of that continuation). Cost: O(depth * width^2) steps."""
+    first, _, match = self.propose(context, depth)
+    if not first:
+      return [], match
+    context = list(context[max(len(context) - (self.max_order - 1), 0):])
+    m, node = self.longest_match(context)
+    beam = [(1.0, [], context, m, node)]  # (score, tokens, state)
+    for _ in range(depth):
+      grown = []
+      for score, tokens, ctx, m, node in beam:
+        if node is None:
+          grown.append((score, tokens, ctx, m, node))
+          continue
+        total = sum(c.count for c in node.children.values())
+        top = sorted(node.children.items(), key=lambda kv: (-kv[1].count, kv[0]))[:width]
+        for t, child in top:
+          grown.append((score * child.count / total, tokens + [t],
+                        *self._advance(ctx, m, t, child)))
+      grown.sort(key=lambda x: (-x[0], x[1]))
+      beam = grown[:width]
+    chains = [first]
+    for _, tokens, *_ in beam:
+      if len(chains) < width and tokens and tokens not in chains:
+        chains.append(tokens)
+    return chains, match
 
 
 @dataclasses.dataclass
@@ -252,6 +287,25 @@ class HistoryDrafter:
     self.stats.proposals += 1
     self.stats.proposed_tokens += len(tokens)
     return tokens
+
+  def propose_chains(self, sample_id: int, depth: int, width: int) -> list[list[int]]:
+    """Up to `width` distinct chains (`SuffixTrie.propose_chains`) for the sample's current
+    suffix, from the trie `propose` would draft from (its group's, or the global one where that
+    matches a longer suffix): a history tree's candidates, the first the chain `propose` gives."""
+    prompt, key = self.live[sample_id]
+    trie = self.groups[prompt]
+    seq = trie.sequences[key]
+    tail = self.max_order - 1
+    context = (list(seq.head) + seq.tokens[-tail:])[-tail:]
+    chains, match = trie.propose_chains(context, depth, width)
+    if self.global_trie is not None:
+      g_chains, g_match = self.global_trie.propose_chains(context, depth, width)
+      if g_match > max(match, 0):
+        chains = g_chains
+        self.stats.from_global += 1
+    self.stats.proposals += 1
+    self.stats.proposed_tokens += sum(len(c) for c in chains)
+    return chains
 
   def finish(self, sample_id: int, tokens) -> None:
     """The sample ended with `tokens`: its response stays as an earlier response of the group."""

@@ -174,14 +174,21 @@ class ProgramPool:
     slots_specs = self._slots_specs(slots)
     if phase == "decode":  # extra = arm name
       arm = next(a for a in cfg.arms if a.name == extra)
-      if arm.is_history:  # one round, its drafts [bucket, depth] from the host
-        def fn(params, draft_params, s, seed, drafts):
-          target, drafter = self._models(params, draft_params)
-          return steps.history_round(target, drafter, cfg, s, seed, drafts)
-        drafts = jax.ShapeDtypeStruct((bucket, arm.depth), jnp.int32)
-        program = self._jit(fn, (*models, slots_specs, P(), P()), (slots_specs, P(), P(), P()),
-                            split_model=True, donate_argnums=(2,))
-        return program.lower(self.params, self.draft_params, slots, i32, drafts)
+      if arm.is_history:  # one round, its drafts from the host: [bucket, depth] per chain
+        if arm.is_tree:  # a tree's chains [bucket, chains, depth] and which are valid
+          def fn(params, draft_params, s, seed, drafts, valid):
+            target, drafter = self._models(params, draft_params)
+            return steps.history_round(target, drafter, cfg, s, seed, drafts, valid)
+          drafts = (jax.ShapeDtypeStruct((bucket, arm.topk, arm.depth), jnp.int32),
+                    jax.ShapeDtypeStruct((bucket, arm.topk), jnp.bool_))
+        else:
+          def fn(params, draft_params, s, seed, drafts):
+            target, drafter = self._models(params, draft_params)
+            return steps.history_round(target, drafter, cfg, s, seed, drafts)
+          drafts = (jax.ShapeDtypeStruct((bucket, arm.depth), jnp.int32),)
+        program = self._jit(fn, (*models, slots_specs, P(), *[P()] * len(drafts)),
+                            (slots_specs, P(), P(), P()), split_model=True, donate_argnums=(2,))
+        return program.lower(self.params, self.draft_params, slots, i32, *drafts)
 
       if arm.reads_bank:  # a chunk of rounds drafted on device, from the rows and the bank
         def fn(params, draft_params, s, seed, bank, bank_len):

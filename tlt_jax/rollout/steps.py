@@ -11,8 +11,8 @@
                 learned chain and looked-up ones in one trie, `_combined_step`); after a
                 plain chunk the drafter's
                 cache catches up in one forward (`_drafter_catch_up`)
-  history_round one chain round whose drafts come from the host (`rollout.history`), verified
-                and committed by `_verify_drafts`
+  history_round one round whose drafts come from the host (`rollout.history`): a chain,
+                verified by `_verify_drafts`, or a tree's chains, by `_verify_tree`
   insert / compact / empty   move rows between buckets (refill, compaction), start a bucket
 
 Exactness (with `numerics="batch_invariant"`): the slot a sample occupies, the bucket, the
@@ -239,11 +239,18 @@ def _commit(target, drafter, cfg, s: Slots, cache, draft_cache, emitted_BxK1, ac
   return s, jnp.sum(n_emit)
 
 
-def history_round(target, drafter, cfg: EngineConfig, s: Slots, seed, drafts_BxK):
-  """One chain round with drafts from the host (`_verify_drafts`). Returns (slots, tokens
-  emitted, rounds = 1, row-rounds), as `decode_chunk` does."""
+def history_round(target, drafter, cfg: EngineConfig, s: Slots, seed, drafts, valid_BxW=None):
+  """One round with drafts from the host: a chain [B, K] (`_verify_drafts`), or with
+  `valid_BxW` the chains [B, W, K] of a tree (-1 past a chain's end; `_chains_to_tree`, then
+  `_verify_tree`). Returns (slots, tokens emitted, rounds = 1, row-rounds), as `decode_chunk`
+  does."""
   row_rounds = jnp.sum(s.live & ~s.done).astype(jnp.int32)
-  s, emitted = _verify_drafts(target, drafter, cfg, s, seed, drafts_BxK)
+  if valid_BxW is None:
+    s, emitted = _verify_drafts(target, drafter, cfg, s, seed, drafts)
+  else:
+    s, emitted = _verify_tree(target, drafter, cfg, s, seed,
+                              *_chains_to_tree(s.token, drafts, valid_BxW), s.draft_cache,
+                              extend_current=True)
   return s, emitted, jnp.int32(1), row_rounds
 
 

@@ -34,10 +34,10 @@ class Arm:
   drafter: who drafts: the learned drafter on device, the history drafter (`rollout.history`)
   on the host, one round per program call, or the lookup drafter, on device inside a decode
   chunk (the longest match of each row's last tokens in the bucket's rows and a bank of recent
-  responses, `rollout.steps._lookup_drafts`). History arms draft chains; a lookup tree's
-  `topk` is its number of distinct looked-up chains, merged into one trie and verified whole
-  (`verify` = 1 + depth * topk). The combined arm's tree holds the learned drafter's chain and
-  `topk - 1` looked-up chains, one verify for both drafters' candidates."""
+  responses, `rollout.steps._lookup_drafts`). A model-free tree's `topk` is its number of
+  distinct chains (looked up, or proposed by the history drafter), merged into one trie and
+  verified whole (`verify` = 1 + depth * topk). The combined arm's tree holds the learned
+  drafter's chain and `topk - 1` looked-up chains, one verify for both drafters' candidates."""
   name: str
   depth: int = 0
   topk: int = 0    # 0 = chain
@@ -48,11 +48,9 @@ class Arm:
     if self.drafter not in (LEARNED, COMBINED, *MODEL_FREE):
       raise ValueError(f"arm {self.name}: drafter must be one of "
                        f"{(LEARNED, COMBINED, *MODEL_FREE)}")
-    if self.drafter == HISTORY and (self.topk or not self.depth):
-      raise ValueError(f"arm {self.name}: history arms are chains of depth >= 1")
-    if self.drafter == LOOKUP and not self.depth:
-      raise ValueError(f"arm {self.name}: lookup arms draft depth >= 1 tokens per chain")
-    if (self.drafter == LOOKUP and self.topk or self.drafter == COMBINED) and (
+    if self.drafter in MODEL_FREE and not self.depth:
+      raise ValueError(f"arm {self.name}: {self.drafter} arms draft depth >= 1 tokens per chain")
+    if (self.drafter in MODEL_FREE and self.topk or self.drafter == COMBINED) and (
         self.depth < 1 or self.topk < (2 if self.drafter == COMBINED else 1)
         or self.verify != 1 + self.depth * self.topk):
       raise ValueError(f"arm {self.name}: a {self.drafter} tree of depth >= 1 verifies all its "
@@ -113,6 +111,10 @@ def history_arm(depth: int) -> Arm:
   return Arm(f"history_chain{depth}", depth, drafter=HISTORY)
 
 
+def history_tree_arm(depth: int, chains: int) -> Arm:
+  return Arm(f"history_tree{depth}_{chains}", depth, chains, 1 + depth * chains, drafter=HISTORY)
+
+
 def lookup_arm(depth: int) -> Arm:
   return Arm(f"lookup_chain{depth}", depth, drafter=LOOKUP)
 
@@ -131,7 +133,8 @@ def combined_arm(depth: int, looked_up: int) -> Arm:
 def parse_arms(spec: str) -> tuple[Arm, ...]:
   """'chain2,tree6_4_32,history_chain4,lookup_chain4,lookup_tree4_3' -> (off, chain2,
   tree6_4_32, history_chain4, lookup_chain4, lookup_tree4_3): `off` is always an arm.
-  lookup_treeDEPTH_CHAINS: that many distinct looked-up chains of DEPTH tokens as one tree;
+  history_treeDEPTH_CHAINS / lookup_treeDEPTH_CHAINS: that many distinct chains of DEPTH
+  tokens (from the history drafter / looked up on device) as one tree;
   combined_treeDEPTH_CHAINS: the learned drafter's chain and that many looked-up ones."""
   arms = [Arm(OFF)]
   for name in (n.strip() for n in spec.split(",") if n.strip()):
@@ -141,6 +144,11 @@ def parse_arms(spec: str) -> tuple[Arm, ...]:
       arms.append(tree_arm(*(int(x) for x in name[4:].split("_"))))
     elif re.fullmatch(r"history_chain\d+", name):
       arms.append(history_arm(int(name[13:])))
+    elif re.fullmatch(r"history_tree\d+_\d+", name):
+      depth, chains = (int(x) for x in name[12:].split("_"))
+      if chains < 1:
+        raise ValueError(f"SD arm {name!r}: a history tree needs at least one chain")
+      arms.append(history_tree_arm(depth, chains))
     elif re.fullmatch(r"lookup_chain\d+", name):
       arms.append(lookup_arm(int(name[12:])))
     elif re.fullmatch(r"lookup_tree\d+_\d+", name):
@@ -156,8 +164,8 @@ def parse_arms(spec: str) -> tuple[Arm, ...]:
       arms.append(combined_arm(depth, chains))
     elif name != OFF:
       raise ValueError(f"unknown SD arm {name!r}: use chainN, treeDEPTH_TOPK_VERIFY, "
-                       "history_chainN, lookup_chainN, lookup_treeDEPTH_CHAINS or "
-                       "combined_treeDEPTH_CHAINS")
+                       "history_chainN, history_treeDEPTH_CHAINS, lookup_chainN, "
+                       "lookup_treeDEPTH_CHAINS or combined_treeDEPTH_CHAINS")
   return tuple(arms)
 
 
