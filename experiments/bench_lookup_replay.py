@@ -1,4 +1,4 @@
-"""Accept length of the lookup arms, chains vs trees, on the RL job's own GRPO rollouts.
+"""Accept length of the model-free arms, chains vs trees, on the RL job's own GRPO rollouts.
 
     python -m experiments.bench_lookup_replay     # ~4 min here
 
@@ -15,7 +15,10 @@ the engine's: its group's rows still decoding (prompts and responses so far) and
 `rollout.lookup_bank` most recently finished responses (finished rows leave the bucket and
 enter the bank, across steps). Not replayed: the tuner (every round uses the arm), chunk
 boundaries, and the order in which rows of a round finish (all of a round's finished rows
-enter the bank after it).
+enter the bank after it). History arms are replayed the same way through each rollout group's
+own `HistoryDrafter` (kept across steps, with bench_tlt's global trie of 4096 tokens), fed as the
+engine feeds it; a history tree accepts the longest prefix of the response any of its chains
+shares (what the walk over their trie accepts).
 
 Reported per arm: accept length (tokens emitted per row per round, plain decoding = 1), rounds,
 verify tokens per row per round, and emitted tokens per verified token, the figure that decides
@@ -44,10 +47,13 @@ from tlt_jax import logs
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rollout import steps as steps_lib
 from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.history import HistoryDrafter
 from tlt_jax.rollout.tuner import parse_arms
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-ARMS = "lookup_chain2,lookup_chain4,lookup_chain8,lookup_tree4_2,lookup_tree4_3,lookup_tree8_3"
+ARMS = ("lookup_chain2,lookup_chain4,lookup_chain8,lookup_tree4_2,lookup_tree4_3,lookup_tree8_3,"
+        "history_chain4,history_tree4_2,history_tree4_3")
+HISTORY_GLOBAL_TOKENS = 4096  # bench_tlt's history variant
 NO_MATCH = -7  # a token id no text holds: a finished row's slot in the bucket matches nothing
 
 
@@ -126,6 +132,55 @@ def tree_accepts(tokens, parents, truth) -> int:
   return depth
 
 
+def common_prefix(a, b) -> int:
+  n = 0
+  while n < min(len(a), len(b)) and a[n] == b[n]:
+    n += 1
+  return n
+
+
+def replay_history_arm(arm, recorded, groups: int):
+  """The same lockstep replay for a history arm: each rollout group's own `HistoryDrafter`
+  (kept across steps, with bench_tlt's global trie), fed each round as the engine feeds it
+  (every live row's tokens, then proposals); a tree accepts along its trie, i.e. the longest
+  prefix of the response any of its chains shares."""
+  drafters = [HistoryDrafter(global_tokens=HISTORY_GLOBAL_TOKENS) for _ in range(groups)]
+  rounds = row_rounds = emitted = 0
+  for step, (prompts, responses) in enumerate(recorded):
+    per_group = len(prompts) // groups
+    for g, g0 in enumerate(range(0, len(prompts), per_group)):
+      history = drafters[g]
+      ys = responses[g0:g0 + per_group]
+      ids = [step * len(prompts) + g0 + r for r in range(len(ys))]
+      gen = np.ones((len(ys),), np.int32)
+      for sid, p, y in zip(ids, prompts[g0:g0 + per_group], ys):
+        history.begin(sid, p)
+        if len(y) <= 1:
+          history.finish(sid, y)
+      gen[[len(y) <= 1 for y in ys]] = 0
+      while gen.any():
+        live = np.nonzero(gen)[0]
+        for r in live:
+          history.extend(ids[r], ys[r][:gen[r]])
+        chains = {int(r): (history.propose_chains(ids[r], arm.depth, arm.topk) if arm.is_tree
+                           else [history.propose(ids[r], arm.depth)]) for r in live}
+        for r in live:
+          truth = ys[r][gen[r]:gen[r] + arm.depth]
+          accepted = max((common_prefix(c, truth) for c in chains[int(r)]), default=0)
+          n = min(accepted + 1, len(ys[r]) - gen[r])
+          emitted += int(n)
+          gen[r] += n
+        rounds += 1
+        row_rounds += len(live)
+        for r in live:
+          if gen[r] >= len(ys[r]):
+            history.finish(ids[r], ys[r])
+            gen[r] = 0
+  return dict(arm=arm.name, accept_len=emitted / row_rounds, rounds=rounds,
+              row_rounds=row_rounds, tokens=emitted, verify_tokens_per_row_round=arm.verify_tokens,
+              emitted_per_verify_token=emitted / row_rounds / arm.verify_tokens)
+
+
 def replay_arm(arm, recorded, groups: int, P: int, N: int, bank_size: int, max_order: int):
   chain = jax.jit(steps_lib._lookup_drafts, static_argnums=(3, 4))
   tree = jax.jit(lambda s, bank, bank_len, depth, width, order: steps_lib._chains_to_tree(
@@ -186,7 +241,9 @@ def main() -> None:
   P, N = c.rollout.max_prompt_len, c.rollout.max_new_tokens
   arms = [a for a in parse_arms(args.arms) if a.depth]
   max_order = EngineConfig.lookup_max_order  # the engine's (not a run config key)
-  results = [replay_arm(a, recorded, 2, P, N, c.rollout.lookup_bank, max_order) for a in arms]
+  results = [replay_history_arm(a, recorded, 2) if a.is_history
+             else replay_arm(a, recorded, 2, P, N, c.rollout.lookup_bank, max_order)
+             for a in arms]
   report = dict(
       command="python -m experiments.bench_lookup_replay",
       job=f"bench_tlt baseline: tiny_arith, 8 prompts x 4 samples, {args.steps} steps, "
