@@ -9,8 +9,8 @@
                 or the trie of several looked-up chains (`_lookup_tree_chains`,
                 `_chains_to_tree`, then `_verify_tree`), or the combined arm's rounds (the
                 learned chain and looked-up ones in one trie, `_combined_step`); after a
-                plain chunk the drafter's
-                cache catches up in one forward (`_drafter_catch_up`)
+                plain chunk the drafter's cache catches up in one forward
+                (`_drafter_catch_up`)
   history_round one round whose drafts come from the host (`rollout.history`): a chain,
                 verified by `_verify_drafts`, or a tree's chains, by `_verify_tree`
   insert / compact / empty   move rows between buckets (refill, compaction), start a bucket
@@ -302,10 +302,11 @@ def _lookup_drafts(s: Slots, bank_HxN, bank_len_H, depth: int, max_order: int,
 
   Candidates are scored by match length, then by how many of the `depth` continuation tokens
   they have; ties go to the first (the bucket's rows before the bank, earlier positions
-  first). A row with no match drafts zeros, which verification rejects unless the target
-  would emit them. Cost per round: O(B * (B + H) * (P + N) * max_order) comparisons, done
-  on device between two verifies, so a chunk of lookup rounds is one program call; memory:
-  one block of `block_elements` comparisons (at least one corpus row for every row of B)."""
+  first). A row with no match drafts zeros, as do the tokens past the end of a matched
+  source; verification rejects them unless the target would emit them. Cost per round:
+  O(B * (B + H) * (P + N) * max_order) comparisons, done on device between two verifies, so
+  a chunk of lookup rounds is one program call; memory: one block of `block_elements`
+  comparisons (at least one corpus row for every row of B)."""
   drafts_BxK, found_B = _lookup_search(s, bank_HxN, bank_len_H, depth, max_order, None,
                                        block_elements)
   return jnp.where(found_B[:, None], jnp.maximum(drafts_BxK, 0), 0)
