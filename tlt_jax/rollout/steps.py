@@ -359,11 +359,12 @@ def _lookup_search(s: Slots, bank_HxN, bank_len_H, depth: int, max_order: int,
     avail_CxL = corpus_len_C[:, None] - 1 - j[None, :]  # tokens after position j
     usable = (match_len_BxCxL > 0) & (avail_CxL > 0)[None]
     if exclude_BxExK is not None:  # the k-th continuation token exists for k < avail
+      # next_k[c, j] = corpus[c, j + 1 + k]: candidate (c, j)'s k-th continuation token.
+      next_KxCxL = [jnp.roll(corpus_CxL, -(1 + k), axis=1) for k in range(depth)]
       for e in range(exclude_BxExK.shape[1]):
         same_BxCxL = jnp.ones_like(usable)
         for k in range(depth):
-          next_CxL = jnp.roll(corpus_CxL, -(1 + k), axis=1)  # [c, j] = corpus[c, j + 1 + k]
-          same_BxCxL &= ((next_CxL[None] == exclude_BxExK[:, e, k, None, None])
+          same_BxCxL &= ((next_KxCxL[k][None] == exclude_BxExK[:, e, k, None, None])
                          | (k >= avail_CxL)[None])
         usable &= ~same_BxCxL
     score = match_len_BxCxL * (depth + 1) + jnp.minimum(avail_CxL, depth)[None]

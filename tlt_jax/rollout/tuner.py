@@ -130,6 +130,14 @@ def combined_arm(depth: int, looked_up: int) -> Arm:
              drafter=COMBINED)
 
 
+# The trees of several chains, by name prefix: (constructor, what a name with 0 chains lacks).
+CHAIN_TREES = {
+    "history_tree": (history_tree_arm, "a history tree needs at least one chain"),
+    "lookup_tree": (lookup_tree_arm, "a lookup tree needs at least one chain"),
+    "combined_tree": (combined_arm, "the combined tree needs at least one looked-up chain"),
+}
+
+
 def parse_arms(spec: str) -> tuple[Arm, ...]:
   """'chain2,tree6_4_32,history_chain4,lookup_chain4,lookup_tree4_3' -> (off, chain2,
   tree6_4_32, history_chain4, lookup_chain4, lookup_tree4_3): `off` is always an arm.
@@ -144,24 +152,14 @@ def parse_arms(spec: str) -> tuple[Arm, ...]:
       arms.append(tree_arm(*(int(x) for x in name[4:].split("_"))))
     elif re.fullmatch(r"history_chain\d+", name):
       arms.append(history_arm(int(name[13:])))
-    elif re.fullmatch(r"history_tree\d+_\d+", name):
-      depth, chains = (int(x) for x in name[12:].split("_"))
-      if chains < 1:
-        raise ValueError(f"SD arm {name!r}: a history tree needs at least one chain")
-      arms.append(history_tree_arm(depth, chains))
     elif re.fullmatch(r"lookup_chain\d+", name):
       arms.append(lookup_arm(int(name[12:])))
-    elif re.fullmatch(r"lookup_tree\d+_\d+", name):
-      depth, chains = (int(x) for x in name[11:].split("_"))
+    elif tree := re.fullmatch(r"(history_tree|lookup_tree|combined_tree)(\d+)_(\d+)", name):
+      make, needs = CHAIN_TREES[tree[1]]
+      depth, chains = int(tree[2]), int(tree[3])
       if chains < 1:
-        raise ValueError(f"SD arm {name!r}: a lookup tree needs at least one chain")
-      arms.append(lookup_tree_arm(depth, chains))
-    elif re.fullmatch(r"combined_tree\d+_\d+", name):
-      depth, chains = (int(x) for x in name[13:].split("_"))
-      if chains < 1:
-        raise ValueError(f"SD arm {name!r}: the combined tree needs at least one looked-up "
-                         "chain")
-      arms.append(combined_arm(depth, chains))
+        raise ValueError(f"SD arm {name!r}: {needs}")
+      arms.append(make(depth, chains))
     elif name != OFF:
       raise ValueError(f"unknown SD arm {name!r}: use chainN, treeDEPTH_TOPK_VERIFY, "
                        "history_chainN, history_treeDEPTH_CHAINS, lookup_chainN, "
