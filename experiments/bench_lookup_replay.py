@@ -1,6 +1,7 @@
 """Accept length of the model-free arms, chains vs trees, on the RL job's own GRPO rollouts.
 
     python -m experiments.bench_lookup_replay     # ~4 min here
+    python -m experiments.bench_lookup_replay --train-problems 16 --out lookup_replay_revisits.json
 
 What a lookup round accepts does not depend on the device: verification is exact, so a draft
 token is accepted iff it is the token the run emits there. This script runs bench_tlt's
@@ -11,12 +12,17 @@ device search (`rollout.steps._lookup_drafts`, `_lookup_tree_chains`, `_chains_t
 each lookup arm used in every round: a chain is accepted up to its first token that differs
 from the response, a tree along the deepest path of the response's tokens from its root (the
 walk `_verify_tree` does), and each round emits that plus one token. What a row looks up in is
-the engine's: its group's rows still decoding (prompts and responses so far) and a bank of the
-`rollout.lookup_bank` most recently finished responses (finished rows leave the bucket and
-enter the bank, across steps). Not replayed: the tuner (every round uses the arm), chunk
-boundaries, and the order in which rows of a round finish (all of a round's finished rows
-enter the bank after it). History arms are replayed the same way through each rollout group's
-own `HistoryDrafter` (kept across steps, with bench_tlt's global trie of 4096 tokens), fed as the
+the engine's: its group's rows still decoding (prompts and responses so far) and the bank the
+engine's `rollout.bank.ResponseBank` picks for them (finished rows leave the bucket and enter
+it, across steps): earlier responses to the rows' prompts first, then the newest of any prompt;
+`accept_len_newest_only` is the same arm with the newest responses only
+(`rollout.lookup_history_tokens` = 0). Each step's prompts go to the groups as the engine
+routes them (`rollout.groups.route`: a prompt seen before to the group holding its responses).
+Not replayed: the tuner (every round uses the arm), chunk boundaries, and the order in which
+rows of a round finish (all of a round's finished rows enter the bank after it).
+`--train-problems N` records a job training on N problems, so prompts come back (epochs over a
+small dataset). History arms are replayed the same way through each rollout group's own
+`HistoryDrafter` (kept across steps, with bench_tlt's global trie of 4096 tokens), fed as the
 engine feeds it; a history tree accepts the longest prefix of the response any of its chains
 shares (what the walk over their trie accepts).
 
@@ -24,7 +30,7 @@ Reported per arm: accept length (tokens emitted per row per round, plain decodin
 verify tokens per row per round, and emitted tokens per verified token, the figure that decides
 the arm on a device where a verify of a few tokens costs about one decode step (memory-bound),
 and against it on one where it costs as many steps as tokens (this CPU, `forward.json`).
-Prints one JSON object and writes experiments/results/lookup_replay.json.
+Prints one JSON object and writes experiments/results/lookup_replay.json (--out names another).
 """
 
 from __future__ import annotations
@@ -46,7 +52,9 @@ import tlt_jax
 from tlt_jax import logs
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rollout import steps as steps_lib
+from tlt_jax.rollout.bank import ResponseBank
 from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.groups import route
 from tlt_jax.rollout.history import HistoryDrafter
 from tlt_jax.rollout.tuner import parse_arms
 
@@ -57,7 +65,7 @@ HISTORY_GLOBAL_TOKENS = 4096  # bench_tlt's history variant
 NO_MATCH = -7  # a token id no text holds: a finished row's slot in the bucket matches nothing
 
 
-def record_rollouts(steps: int, groups: int) -> tuple[list, object]:
+def record_rollouts(steps: int, groups: int, train_problems: int = 0) -> tuple[list, object]:
   """[(prompts, responses) per step], the job's config: bench_tlt's baseline run."""
   logs.configure("warning")
   recorded = []
@@ -71,29 +79,12 @@ def record_rollouts(steps: int, groups: int) -> tuple[list, object]:
   step_lib.score = recording_score
   try:
     with tempfile.TemporaryDirectory() as tmp:
-      c = bench_tlt.variant_config("baseline", steps, tmp, "", groups=groups)
+      c = bench_tlt.variant_config("baseline", steps, tmp, "", groups=groups,
+                                   train_problems=train_problems)
       tlt_jax.run_training(c, "baseline")
   finally:
     step_lib.score = score
   return recorded, c
-
-
-class Bank:
-  """The engine's ring of the most recently finished responses."""
-
-  def __init__(self, size: int, max_new: int):
-    self.tokens = np.zeros((size, max_new), np.int32)
-    self.lengths = np.zeros((size,), np.int32)
-    self.next = 0
-
-  def add(self, response) -> None:
-    if not len(self.lengths):
-      return
-    n = min(len(response), self.tokens.shape[1])
-    self.tokens[self.next] = 0
-    self.tokens[self.next, :n] = response[:n]
-    self.lengths[self.next] = n
-    self.next = (self.next + 1) % len(self.lengths)
 
 
 def slots_for(prompts, responses, gen, P: int, N: int):
@@ -139,7 +130,14 @@ def common_prefix(a, b) -> int:
   return n
 
 
-def replay_history_arm(arm, recorded, groups: int):
+def group_shares(prompts, group_size: int, holds) -> list[list[int]]:
+  """Each group's sample indices of a step whose samples list each prompt group_size times in
+  a row, as `GroupedRollout` routes them (`holds[g](prompt)`: responses group g holds)."""
+  per_prompt = route(prompts[::group_size], holds)
+  return [[p * group_size + j for p in share for j in range(group_size)] for share in per_prompt]
+
+
+def replay_history_arm(arm, recorded, groups: int, group_size: int):
   """The same lockstep replay for a history arm: each rollout group's own `HistoryDrafter`
   (kept across steps, with bench_tlt's global trie), fed each round as the engine feeds it
   (every live row's tokens, then proposals); a tree accepts along its trie, i.e. the longest
@@ -147,13 +145,12 @@ def replay_history_arm(arm, recorded, groups: int):
   drafters = [HistoryDrafter(global_tokens=HISTORY_GLOBAL_TOKENS) for _ in range(groups)]
   rounds = row_rounds = emitted = 0
   for step, (prompts, responses) in enumerate(recorded):
-    per_group = len(prompts) // groups
-    for g, g0 in enumerate(range(0, len(prompts), per_group)):
-      history = drafters[g]
-      ys = responses[g0:g0 + per_group]
-      ids = [step * len(prompts) + g0 + r for r in range(len(ys))]
+    shares = group_shares(prompts, group_size, [d.holds for d in drafters])
+    for history, share in zip(drafters, shares):
+      ys = [responses[i] for i in share]
+      ids = [step * len(prompts) + i for i in share]
       gen = np.ones((len(ys),), np.int32)
-      for sid, p, y in zip(ids, prompts[g0:g0 + per_group], ys):
+      for sid, p, y in zip(ids, [prompts[i] for i in share], ys):
         history.begin(sid, p)
         if len(y) <= 1:
           history.finish(sid, y)
@@ -181,25 +178,25 @@ def replay_history_arm(arm, recorded, groups: int):
               emitted_per_verify_token=emitted / row_rounds / arm.verify_tokens)
 
 
-def replay_arm(arm, recorded, groups: int, P: int, N: int, bank_size: int, max_order: int):
+def replay_arm(arm, recorded, groups: int, group_size: int, P: int, N: int, bank_size: int,
+               max_order: int, history_tokens: int):
   chain = jax.jit(steps_lib._lookup_drafts, static_argnums=(3, 4))
   tree = jax.jit(lambda s, bank, bank_len, depth, width, order: steps_lib._chains_to_tree(
       s.token, *steps_lib._lookup_tree_chains(s, bank, bank_len, depth, width, order)),
       static_argnums=(3, 4, 5))
-  bank = Bank(bank_size, N)
+  banks = [ResponseBank(bank_size, N, history_tokens) for _ in range(groups)]
   rounds = row_rounds = emitted = 0
   for prompts, responses in recorded:
-    per_group = len(prompts) // groups
-    for g0 in range(0, len(prompts), per_group):
-      ps, ys = prompts[g0:g0 + per_group], responses[g0:g0 + per_group]
+    for bank, share in zip(banks, group_shares(prompts, group_size, [b.holds for b in banks])):
+      ps, ys = [prompts[i] for i in share], [responses[i] for i in share]
       gen = np.ones((len(ps),), np.int32)  # prefill emitted each row's first token
       finished = [len(y) <= 1 for y in ys]
       gen[finished] = 0
       for r in np.nonzero(finished)[0]:
-        bank.add(ys[r])
+        bank.add(ps[r], ys[r])
       while gen.any():
         s = slots_for(ps, ys, gen, P, N)
-        bank_args = (jnp.asarray(bank.tokens), jnp.asarray(bank.lengths))
+        bank_args = bank.arrays([tuple(ps[r]) for r in np.nonzero(gen)[0]])
         if arm.is_tree:
           tok, par, _, _ = (np.asarray(x) for x in tree(s, *bank_args, arm.depth, arm.topk,
                                                          max_order))
@@ -224,7 +221,7 @@ def replay_arm(arm, recorded, groups: int, P: int, N: int, bank_size: int, max_o
         row_rounds += len(live)
         for r in done_now:
           gen[r] = 0
-          bank.add(ys[r])
+          bank.add(ps[r], ys[r])
   return dict(arm=arm.name, accept_len=emitted / row_rounds, rounds=rounds,
               row_rounds=row_rounds, tokens=emitted, verify_tokens_per_row_round=arm.verify_tokens,
               emitted_per_verify_token=emitted / row_rounds / arm.verify_tokens)
@@ -234,28 +231,40 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--arms", default=ARMS)
+  parser.add_argument("--train-problems", type=int, default=0,
+                      help="training problems (default the config's 4096): fewer come back")
+  parser.add_argument("--out", default="lookup_replay.json")
   args = parser.parse_args()
   t0 = time.perf_counter()
-  recorded, c = record_rollouts(args.steps, groups=2)
+  recorded, c = record_rollouts(args.steps, 2, args.train_problems)
   record_s = time.perf_counter() - t0
   P, N = c.rollout.max_prompt_len, c.rollout.max_new_tokens
   arms = [a for a in parse_arms(args.arms) if a.depth]
   max_order = EngineConfig.lookup_max_order  # the engine's (not a run config key)
-  results = [replay_history_arm(a, recorded, 2) if a.is_history
-             else replay_arm(a, recorded, 2, P, N, c.rollout.lookup_bank, max_order)
+  G = c.rollout.group_size
+  lookup = lambda arm, kept: replay_arm(arm, recorded, 2, G, P, N, c.rollout.lookup_bank,
+                                       max_order, kept)
+  results = [replay_history_arm(a, recorded, 2, G) if a.is_history else
+             {**lookup(a, c.rollout.lookup_history_tokens),
+              "accept_len_newest_only": lookup(a, 0)["accept_len"]}
              for a in arms]
   report = dict(
-      command="python -m experiments.bench_lookup_replay",
+      command="python -m experiments.bench_lookup_replay" + (
+          f" --train-problems {args.train_problems}" if args.train_problems else ""),
       job=f"bench_tlt baseline: tiny_arith, 8 prompts x 4 samples, {args.steps} steps, "
           "2 rollout groups",
+      train_problems=c.data.synthetic_train,
+      prompts_seen=len({tuple(p) for ps, _ in recorded for p in ps}),
+      prompt_visits=sum(len(ps) for ps, _ in recorded) // c.rollout.group_size,
       responses=sum(len(ys) for _, ys in recorded),
       response_tokens=sum(len(y) for _, ys in recorded for y in ys),
-      lookup_bank=c.rollout.lookup_bank, lookup_max_order=max_order, arms=results,
+      lookup_bank=c.rollout.lookup_bank, lookup_history_tokens=c.rollout.lookup_history_tokens,
+      lookup_max_order=max_order, arms=results,
       record_s=record_s, seconds=time.perf_counter() - t0,
       platform=f"{jax.default_backend()} ({platform.machine()}, {os.cpu_count()} cores), "
                f"jax {jax.__version__}")
   os.makedirs(RESULTS_DIR, exist_ok=True)
-  with open(os.path.join(RESULTS_DIR, "lookup_replay.json"), "w") as f:
+  with open(os.path.join(RESULTS_DIR, args.out), "w") as f:
     json.dump(report, f, indent=2)
   print(json.dumps(report))
 

@@ -5,6 +5,7 @@ drafter (the same trajectory, bitwise, in all four).
     python -m experiments.bench_tlt [--quick] [--steps N] [--repeats 3]
         [--order baseline,static_drafter,tlt,history] [--variants baseline,history]
         [--drafter DIR] [--out NAME.json] [--history-arms ARMS] [--groups 2]
+        [--train-problems N]
 
 Setup: the tiny_arith policy on a longer-tailed mix (more 8- and 16-digit problems, so the tail
 is where rollout time goes), two data-parallel rollout groups on two host devices, gumbel
@@ -17,8 +18,10 @@ host from each prompt's siblings so far, its earlier responses and a global trie
 responses; `rollout/history.py`; `--history-arms` offers others, e.g. the lookup arms drafted on
 device). `--groups 1` decodes as one rollout group over both host devices, so no other
 group's chunks share the cores while a chunk is timed. `--variants` runs a subset (no drafter
-warm-up without static_drafter or tlt). Step times exclude compilation (each variant warms its
-program pool before step 1).
+warm-up without static_drafter or tlt). `--train-problems N` trains on N problems instead of
+4096, so every prompt comes back every N / 8 steps (epochs over a small dataset), where the
+model-free drafters draft from its earlier responses. Step times exclude compilation (each
+variant warms its program pool before step 1).
 
 On 2 shared cores one run of a phase varies by 10-25%, so one run per variant cannot tell 1.5x
 from 1.7x. Each variant therefore runs `--repeats` times, every run in a fresh process, the
@@ -61,10 +64,11 @@ VARIANTS = {"baseline": (False, False, False), "static_drafter": (True, False, F
 HISTORY_ARMS = "history_chain2,history_chain4,history_chain8"
 
 
-def base_config(steps: int, workdir: str, groups: int = 2):
+def base_config(steps: int, workdir: str, groups: int = 2, train_problems: int = 0):
   c = config_lib.load_config_file(CONFIG)
   c.workdir, c.rl.steps = workdir, steps
   c.data.synthetic_mix = MIX
+  c.data.synthetic_train = train_problems or c.data.synthetic_train
   c.rollout.prompts_per_step, c.rollout.group_size = 8, 4
   c.rollout.buckets = (1, 2, 4, 8, 16)
   c.rollout.groups = groups
@@ -78,8 +82,8 @@ def base_config(steps: int, workdir: str, groups: int = 2):
 
 
 def variant_config(name: str, steps: int, workdir: str, drafter_dir: str,
-                   history_arms: str = HISTORY_ARMS, groups: int = 2):
-  c = base_config(steps, workdir, groups)
+                   history_arms: str = HISTORY_ARMS, groups: int = 2, train_problems: int = 0):
+  c = base_config(steps, workdir, groups, train_problems)
   c.tlt.enabled, c.tlt.spot_training, history = VARIANTS[name]
   if history:
     c.rollout.history_arms = history_arms
@@ -121,12 +125,12 @@ def train_equalized(variants: dict) -> dict[str, float]:
 
 
 def run_child(name: str, steps: int, drafter_dir: str, workdir: str, history_arms: str,
-              groups: int) -> dict:
+              groups: int, train_problems: int) -> dict:
   """One variant in a fresh process (its own JAX runtime, caches and allocator; the program
   pool loads from the persistent compilation cache after the first run of a variant)."""
   cmd = [sys.executable, "-m", "experiments.bench_tlt", "--variant", name, "--steps", str(steps),
          "--drafter", drafter_dir, "--workdir", workdir, "--history-arms", history_arms,
-         "--groups", str(groups)]
+         "--groups", str(groups), "--train-problems", str(train_problems)]
   subprocess.run(cmd, check=True, cwd=ROOT, stdout=sys.stderr)  # stdout: the one JSON object
   with open(os.path.join(workdir, "variant.json")) as f:
     return json.load(f)
@@ -164,6 +168,9 @@ def main() -> None:
                       help="the history variant's model-free arms (rollout.history_arms)")
   parser.add_argument("--groups", type=int, default=2, choices=(1, 2),
                       help="rollout groups over the two host devices (rollout.groups)")
+  parser.add_argument("--train-problems", type=int, default=0,
+                      help="training problems (data.synthetic_train; default the config's "
+                           "4096): fewer come back sooner")
   parser.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)  # child
   parser.add_argument("--workdir", default="", help=argparse.SUPPRESS)  # child
   args = parser.parse_args()
@@ -175,7 +182,7 @@ def main() -> None:
   if args.variant:  # one variant in this process (see run_child)
     measured = run_variant(args.variant, variant_config(args.variant, steps, args.workdir,
                                                          args.drafter, args.history_arms,
-                                                         args.groups))
+                                                         args.groups, args.train_problems))
     with open(os.path.join(args.workdir, "variant.json"), "w") as f:
       json.dump(measured, f)
     return
@@ -197,7 +204,7 @@ def main() -> None:
       drafter_dir = os.path.join(tmp, "drafter")
       # 24 batches (768 samples): with 6 the drafter memorized its data (top-1 agreement 0.98
       # on it, 0.76 on fresh rollouts); 1500 steps is about 4 epochs of it.
-      warmup(base_config(steps, os.path.join(tmp, "warmup")),
+      warmup(base_config(steps, os.path.join(tmp, "warmup"), 2, args.train_problems),
              rollouts=2 if args.quick else 24, steps=60 if args.quick else 1500, out=drafter_dir)
     if learned:
       with open(os.path.join(drafter_dir, "warmup.json")) as f:
@@ -213,7 +220,7 @@ def main() -> None:
         workdir = os.path.join(tmp, f"{name}-{r}")
         os.makedirs(workdir)
         runs[name].append(run_child(name, steps, drafter_dir, workdir, args.history_arms,
-                                    args.groups))
+                                    args.groups, args.train_problems))
   trajectories = [run["reward_mean_by_step"] for rs in runs.values() for run in rs]
   variants = {name: aggregate(rs) for name, rs in runs.items()}
   base = variants["baseline"]
@@ -239,6 +246,8 @@ def main() -> None:
   result = {
       "machine": f"{platform.machine()} {os.cpu_count()} cpus, 2 host devices",
       "config": f"tiny_arith, mix {MIX}, 8 prompts x 4 samples, {args.groups} rollout groups",
+      "train_problems": args.train_problems or config_lib.load_config_file(
+          CONFIG).data.synthetic_train,
       "steps": steps,
       "repeats": repeats,
       "orders": orders,

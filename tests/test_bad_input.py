@@ -57,7 +57,7 @@ BAD_VALUES = [
     ("rl.reward_worker_kind", "fork"), ("rl.dapo_max_rollouts", 0),
     ("rollout.history_arms", "chain2"), ("rollout.history_arms", "history_chain0"),
     ("rollout.history_global_tokens", -1), ("rollout.history_arms", "lookup_chain0"),
-    ("rollout.lookup_bank", -1),
+    ("rollout.lookup_bank", -1), ("rollout.lookup_history_tokens", -1),
 ]
 
 

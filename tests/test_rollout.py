@@ -148,11 +148,35 @@ def test_lookup_chains_are_bitwise_plain_decoding(arm, drafter):
   assert chunks and max(t.rounds for t in chunks) == LOOKUP_CFG.chunk_steps
   # Without an accepted draft a row emits at most one token per round it is active in.
   assert sum(t.emitted for t in chunks) > sum(t.row_rounds for t in chunks)
-  # The bank is full (12 responses through 3 entries), each entry one finished response.
-  bank_tokens, bank_len = engine._bank
-  assert np.all(bank_len > 0)
-  for tokens, n in zip(bank_tokens, bank_len):
-    assert any(np.array_equal(tokens[:n], x.tokens) for x in samples)
+  # The newest 3 of the 12 finished responses, and all 12 as earlier responses to their
+  # prompts (2 per prompt).
+  assert len(engine.bank.recent) == 3
+  for prompt, tokens in engine.bank.recent:
+    assert any(np.array_equal(tokens, x.tokens) and tuple(x.prompt) == prompt for x in samples)
+  assert [engine.holds_prompt(p) for p in PROMPTS] == [2] * len(PROMPTS)
+
+
+def test_a_revisited_prompt_drafts_from_its_earlier_responses():
+  """A prompt decoded again (same seed: the same tokens) after other prompts filled the bank of
+  the newest responses: with earlier responses kept per prompt its chunks get them and accept
+  every draft the response allows; with the newest responses only they are gone. Both are
+  bitwise plain decoding."""
+  target, _ = _models()
+  accept = {}
+  for kept in (0, 1 << 20):
+    cfg = dataclasses.replace(LOOKUP_CFG, lookup_bank=2, lookup_history_tokens=kept)
+    with ops.numerics_mode("batch_invariant"):
+      engine = RolloutEngine(target, cfg, None)
+      engine.generate(PROMPTS[:1], group_size=2, arm="lookup_chain4")
+      engine.generate(PROMPTS[1:5], arm=OFF)  # 4 other responses: the newest 2 fill the bank
+      first_chunk = len(engine.trace)
+      again = engine.generate(PROMPTS[:1], group_size=2, arm="lookup_chain4")
+      reference = RolloutEngine(target, cfg, None).generate(PROMPTS[:1], group_size=2, arm=OFF)
+    _assert_same(reference, again)
+    chunks = engine.trace[first_chunk:]
+    accept[kept] = sum(t.emitted for t in chunks) / sum(t.row_rounds for t in chunks)
+    assert engine.holds_prompt(PROMPTS[0]) == (2 if kept else 0)  # at most a bank's worth
+  assert accept[1 << 20] == 5.0 - 1.0 and accept[0] < 3.0, accept
 
 
 def _reference_lookup(rows, bank, depth, max_order, width=1):
@@ -491,6 +515,27 @@ def test_tensor_parallel_groups_are_bitwise_the_unsplit_engine():
     assert list(cache.k[0].mesh.devices.flat) == devices[2:4]
 
 
+def test_a_revisited_prompt_is_decoded_by_the_group_holding_its_responses():
+  """Two rollout groups: the second batch holds the first's prompts in another order, and each
+  goes back to the group that decoded it (where a contiguous split would swap them), still
+  bitwise the single engine's plain decoding of that batch under the same sample ids."""
+  from tlt_jax.mesh import group_sharding
+  from tlt_jax.rollout.groups import GroupedRollout
+
+  target, _ = _models()
+  first, second = PROMPTS[:4], [PROMPTS[2], PROMPTS[3], PROMPTS[0], PROMPTS[5], PROMPTS[1]]
+  with on_devices(2) as devices, ops.numerics_mode("batch_invariant"):
+    grouped = GroupedRollout(target, LOOKUP_CFG, [devices[:1], devices[1:]])
+    assert grouped.route(first) == [[0, 1], [2, 3]]  # nothing held yet: the even split
+    grouped.generate(first, group_size=2, arm="lookup_chain2")
+    # PROMPTS[2], [3] to group 1 and [0], [1] to group 0; the new PROMPTS[5] where room is left.
+    assert grouped.route(second) == [[2, 3, 4], [0, 1]]
+    samples = grouped.generate(second, group_size=2, arm="lookup_chain2")
+    reference = RolloutEngine(target, LOOKUP_CFG, None, placement=group_sharding(devices[:1]))
+    reference = reference.generate(second, group_size=2, arm=OFF)
+  _assert_same(reference, samples)
+
+
 def _exact_first_three_token_probs(target, prompt, params):
   """p(t1, t2, t3 | prompt) from plain forwards (the distribution rejection sampling must hit).
   A sample ends at EOS: its remaining tokens are counted as 0, so the cell (EOS, 0, 0) holds
@@ -640,6 +685,42 @@ def test_a_chunk_is_timed_to_its_results_not_to_when_the_host_came_back():
     pass
   assert waits == len(engine.trace) >= 2
   assert all(t.seconds < away_s / 2 for t in engine.trace), [t.seconds for t in engine.trace]
+
+
+def test_a_chunk_is_not_charged_the_prefill_queued_before_it(monkeypatch):
+  """The prefill of a refill is dispatched just before the chunk that decodes it and runs
+  first; the chunk's clock starts when it is done (charged to the first chunk of a full
+  bucket, it made the arm tried first there look 2.7x slower than it is)."""
+  engine, _ = _plain()
+  engine.generate(PROMPTS[:2], arm=OFF)  # every program this rollout calls, built
+  engine.trace.clear()
+  get = engine.pool.get
+
+  @jax.jit
+  def slow(leaves):  # the prefill's outputs, ready only after more device work (~0.3 s here)
+    busy = jax.lax.fori_loop(0, 150, lambda _, a: jnp.tanh(a @ a), jnp.ones((512, 512)))
+    return [jnp.where(busy[0, 0] > -2, x, jnp.zeros_like(x)) for x in leaves]  # busy <= 1
+
+  probe = [jnp.zeros((2,))]
+  jax.block_until_ready(slow(probe))
+  delay_s = time.perf_counter()
+  jax.block_until_ready(slow(probe))
+  delay_s = time.perf_counter() - delay_s
+
+  def get_slow_prefill(kind, *key):
+    program = get(kind, *key)
+    if kind != "prefill":
+      return program
+
+    def prefill(*args):
+      leaves, tree = jax.tree.flatten(program(*args))
+      return jax.tree.unflatten(tree, slow(leaves))
+    return prefill
+
+  monkeypatch.setattr(engine.pool, "get", get_slow_prefill)
+  engine.generate(PROMPTS[:2], arm=OFF)
+  assert delay_s > 0.05 and len(engine.trace) >= 2
+  assert all(t.seconds < delay_s / 2 for t in engine.trace), [t.seconds for t in engine.trace]
 
 
 def test_bad_input_fails_before_any_compile():

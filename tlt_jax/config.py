@@ -81,8 +81,12 @@ def default_config() -> ml_collections.ConfigDict:
       # also draft from a global suffix trie over this many recent response tokens of every
       # prompt (when the group's own text matches nothing); 0 = the group's text only
       history_global_tokens=0,
-      # recent finished responses kept on device for the lookup arms to draft from
-      lookup_bank=16))
+      # finished responses the lookup arms draft from besides the bucket's rows: earlier
+      # responses to the chunk's prompts first, then the newest of any prompt
+      lookup_bank=16,
+      # tokens of earlier responses kept on the host for that, oldest evicted first (0 = the
+      # bank is the newest responses only)
+      lookup_history_tokens=1 << 20))
   c.tlt = ml_collections.ConfigDict(dict(
       enabled=False,  # speculative decoding with the tuner and an EAGLE drafter
       arms="chain2,chain4",  # SD arms the tuner may pick, besides off (chainN, treeD_K_V)
@@ -321,6 +325,9 @@ def _history_problems(r: ml_collections.ConfigDict) -> list[str]:
   if r.lookup_bank < 0:
     problems.append(f"rollout.lookup_bank={r.lookup_bank} must be >= 0 (0 = the bucket's rows "
                     "only)")
+  if r.lookup_history_tokens < 0:
+    problems.append(f"rollout.lookup_history_tokens={r.lookup_history_tokens} must be >= 0 "
+                    "(0 = the newest responses only)")
   return problems
 
 

@@ -39,10 +39,12 @@ class EngineConfig:
   # kernels whatever the target's numerics ("policy" = the target's own mode).
   drafter_numerics: str = "xla"
   # Lookup arms (`lookup_chainN`, drafted on device): the longest match of a row's newest
-  # tokens they look for (up to this many), and how many recent finished responses the engine
-  # keeps on device for them to draft from besides the bucket's own rows.
+  # tokens they look for (up to this many); how many finished responses a chunk gets to draft
+  # from besides the bucket's own rows; and the tokens of earlier responses the engine keeps so
+  # that those are first the chunk's own prompts' (`rollout.bank`; 0 = the newest responses).
   lookup_max_order: int = 4
   lookup_bank: int = 16
+  lookup_history_tokens: int = 1 << 20
 
   def __post_init__(self):
     if self.verification not in VERIFICATION_MODES:
@@ -54,9 +56,10 @@ class EngineConfig:
       raise ValueError(f"buckets must be increasing positive sizes, got {self.buckets}")
     if self.max_prompt_len < 1 or self.max_new_tokens < 1 or self.chunk_steps < 1:
       raise ValueError("max_prompt_len, max_new_tokens and chunk_steps must be >= 1")
-    if self.lookup_max_order < 1 or self.lookup_bank < 0:
-      raise ValueError(f"lookup_max_order must be >= 1 (got {self.lookup_max_order}) and "
-                       f"lookup_bank >= 0 (got {self.lookup_bank})")
+    if self.lookup_max_order < 1 or self.lookup_bank < 0 or self.lookup_history_tokens < 0:
+      raise ValueError(f"lookup_max_order must be >= 1 (got {self.lookup_max_order}), "
+                       f"lookup_bank >= 0 (got {self.lookup_bank}) and lookup_history_tokens "
+                       f">= 0 (got {self.lookup_history_tokens})")
     # Model-free drafts are always checked against the target's own Gumbel sample (they have
     # no draft distribution to reject against), so only the learned trees are refused here.
     if self.verification == "rejection" and any(a.is_tree and a.needs_drafter
@@ -76,7 +79,8 @@ class EngineConfig:
         sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
         compaction=r.compaction, seed=c.seed, arms=tuple(arms),
         drafter_numerics=c.tlt.drafter_numerics,
-        stop_strings=tuple(c.rollout.stop_strings), lookup_bank=r.lookup_bank)
+        stop_strings=tuple(c.rollout.stop_strings), lookup_bank=r.lookup_bank,
+        lookup_history_tokens=r.lookup_history_tokens)
 
   @property
   def max_depth(self) -> int:

@@ -17,12 +17,12 @@ fixed for several rounds would only be right while every draft is accepted, i.e.
 one longer chain. A lookup arm's chunk avoids the trip the learned drafter's way: its drafts
 are looked up on device, round by round (`steps._lookup_drafts`, or several distinct chains
 verified as one tree for `lookup_treeD_W`, or beside the learned drafter's chain in one tree
-for `combined_treeD_W`); the host only keeps the bank
-of the `lookup_bank` most recently finished responses they also read. The device programs it
-calls are `rollout.steps` (where the exactness argument lives: slot, bucket, chunk size,
-refill order and compaction change no token), built ahead of time per (phase, bucket,
-strategy) by `rollout.programs.ProgramPool` and called as compiled executables, so nothing
-compiles inside a timed rollout after `warm_up`.
+for `combined_treeD_W`); the host only picks the bank of `lookup_bank` finished responses
+they also read, earlier responses to the prompts the chunk decodes first (`rollout.bank`).
+The device programs it calls are `rollout.steps` (where the exactness argument lives: slot,
+bucket, chunk size, refill order and compaction change no token), built ahead of time per
+(phase, bucket, strategy) by `rollout.programs.ProgramPool` and called as compiled
+executables, so nothing compiles inside a timed rollout after `warm_up`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from flax import nnx
 
 from tlt_jax.model.drafter import Drafter, check_fits
 from tlt_jax.model.transformer import Transformer
+from tlt_jax.rollout.bank import ResponseBank
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.history import HistoryDrafter
 from tlt_jax.rollout.programs import ProgramPool
@@ -107,12 +108,11 @@ class RolloutEngine:
     self.trace: list[ChunkTrace] = []
     self.target_tokens_processed = 0  # prefill + decode + verify tokens through the target
     self.prefill_rows = 0  # prompts prefilled (a mid-rollout SD switch must not add any)
-    # The lookup arms' bank: the newest finished responses (a ring), put on the devices when
-    # a lookup chunk first needs it after a change.
-    self._bank = (np.zeros((cfg.lookup_bank, cfg.max_new_tokens), np.int32),
-                  np.zeros((cfg.lookup_bank,), np.int32))
-    self._bank_next = 0
-    self._bank_on_device = None
+    # The lookup arms' bank: earlier responses to the prompts a chunk decodes, then the newest
+    # of any prompt (`rollout.bank`); it keeps earlier responses only where an arm reads it.
+    reads_bank = any(a.reads_bank for a in cfg.arms)
+    self.bank = ResponseBank(cfg.lookup_bank, cfg.max_new_tokens,
+                             cfg.lookup_history_tokens if reads_bank else 0)
     # A chunk's time is its own: dispatch to results ready, stamped by a thread that waits on
     # them. The host loop may be busy elsewhere when they become ready (interleaving other
     # rollout groups: `rollout.groups`), and charging that wait to the chunk made every arm look
@@ -168,7 +168,7 @@ class RolloutEngine:
               max_new_per_sample: list[int] | None = None,
               seed: int | None = None,
               on_finish: Callable[[Sample], None] | None = None,
-              first_sample_id: int = 0):
+              first_sample_id: int = 0, prompt_ids: list[int] | None = None):
     """`generate` as a generator: it yields (bucket, live rows, a Future of the time the chunk's
     results are ready) right after dispatching each decode chunk (before waiting for it), so a
     host loop can interleave the rollouts of several engines on disjoint devices, or other
@@ -179,7 +179,9 @@ class RolloutEngine:
     mid-rollout switch); order: the order in which samples are admitted (default: by id);
     on_finish: called with each sample as soon as it finishes (e.g. to score it while the long
     tail is still decoding); first_sample_id: sample ids start there (a data-parallel group
-    decodes its share of a batch under the batch's ids, so its tokens are the same).
+    decodes its share of a batch under the batch's ids, so its tokens are the same);
+    prompt_ids: instead, each prompt's index in the batch (its samples are ids
+    prompt_id * group_size + 0 .. group_size - 1), for a share that is not contiguous.
     """
     self._check_prompts(prompts)
     cfg = self.cfg
@@ -190,8 +192,12 @@ class RolloutEngine:
     if len(budgets) != num_samples or min(budgets) < 1 or max(budgets) > cfg.max_new_tokens:
       raise ValueError(f"max_new_per_sample needs {num_samples} budgets in "
                        f"[1, {cfg.max_new_tokens}]")
-    requests = [(first_sample_id + i, prompts[i // group_size], budgets[i])
-                for i in range(num_samples)]
+    if prompt_ids is not None and len(prompt_ids) != len(prompts):
+      raise ValueError(f"prompt_ids has {len(prompt_ids)} ids for {len(prompts)} prompts")
+    sample_ids = (range(first_sample_id, first_sample_id + num_samples) if prompt_ids is None
+                  else [p * group_size + j for p in prompt_ids for j in range(group_size)])
+    requests = [(sid, prompts[i // group_size], budgets[i])
+                for i, sid in enumerate(sample_ids)]
     if order is not None:
       requests = [requests[i] for i in order]
     pending = collections.deque(requests)
@@ -205,7 +211,14 @@ class RolloutEngine:
     seed = np.int32(cfg.seed if seed is None else seed)  # host scalar: no conversion compile
     t_start = time.perf_counter()
     while pending or any(r is not None for r in row_sample):
-      slots = self._refill(slots, bucket, row_sample, row_prompt, pending, seed)
+      slots, prefilled = self._refill(slots, bucket, row_sample, row_prompt, pending, seed)
+      # A refill's prefill runs before the chunk that decodes its rows: the chunk's clock starts
+      # when it is done, not at the chunk's dispatch. Charged to the chunk, the prefill of a
+      # full bucket made the arm the tuner tries first there (off) 2.7x slower than it is, and
+      # the tuner ran SD arms that were not faster (BENCHMARKS.md). (The chunk donates `slots`,
+      # so the clock waits on the prefill's own outputs.)
+      inputs_ready = (self._ready_clock.submit(_ready_time, prefilled.done)
+                      if prefilled is not None else None)
       chosen = self._choose_arm(bucket, arm, chunks, sd_after_rounds)
       t0 = time.perf_counter()
       live = sum(r is not None for r in row_sample)
@@ -213,25 +226,28 @@ class RolloutEngine:
       host_s = 0.0
       if chosen.is_history:
         drafts = self._history_drafts(slots, row_sample, chosen)
-        host_s = time.perf_counter() - t0
+        # It read the rows' tokens, so the prefill before it is done.
+        host_s = time.perf_counter() - (max(t0, inputs_ready.result()) if inputs_ready else t0)
         slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
                                                      slots, seed, *drafts)
       elif chosen.reads_bank:
+        bank = self._bank_arrays(row_sample, row_prompt)
         slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
-                                                     slots, seed, *self._bank_arrays())
+                                                     slots, seed, *bank)
       else:
         slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
                                                      slots, seed)
       ready_at = self._ready_clock.submit(_ready_time, slots.done)
       yield bucket, live, ready_at  # dispatched, not waited for
       done = np.asarray(slots.done)
-      dt = ready_at.result() - t0
+      start = max(t0, inputs_ready.result()) if inputs_ready is not None else t0
+      dt = ready_at.result() - start
       emitted, rounds, row_rounds = int(emitted), int(rounds), int(row_rounds)
       self.target_tokens_processed += bucket * rounds * chosen.verify_tokens
       # Mean rows active per round: a row that finished in round 2 of 8 is not charged 8.
       self.tuner.update(bucket, chosen, emitted, dt, row_rounds / max(rounds, 1))
-      self.trace.append(ChunkTrace(t0 - t_start, dt, bucket, live, chosen.name, emitted, rounds,
-                                   host_s, row_rounds))
+      self.trace.append(ChunkTrace(start - t_start, dt, bucket, live, chosen.name, emitted,
+                                   rounds, host_s, row_rounds))
       chunks += 1
       if cfg.stop_strings:
         slots, done = self._apply_stop_strings(slots, done, row_sample, stopped, bucket)
@@ -272,38 +288,25 @@ class RolloutEngine:
         valid[r, w] = True
     return drafts, valid
 
-  def _bank_arrays(self):
-    if self._bank_on_device is None:
-      # Copies: on CPU a device_put may alias the numpy buffers, which `_bank_add` rewrites.
-      bank = tuple(a.copy() for a in self._bank)
-      placement = self.pool.placement
-      self._bank_on_device = (jax.device_put(bank, placement) if placement is not None
-                              else jax.device_put(bank))
-    return self._bank_on_device
+  def _bank_arrays(self, row_sample, row_prompt):
+    live_prompts = (tuple(row_prompt[sid]) for sid in row_sample if sid is not None)
+    return self.bank.arrays(live_prompts, self.pool.placement)
+
+  def holds_prompt(self, prompt) -> int:
+    """How many earlier responses to `prompt` this engine's model-free drafters hold."""
+    return self.bank.holds(prompt) + (self.history.holds(prompt) if self.history else 0)
 
   def clear_bank(self) -> None:
-    """Forget the recent responses the lookup arms draft from (e.g. before timing a batch
-    whose own tokens an earlier run put there: drafts that cannot miss)."""
-    for a in self._bank:
-      a[:] = 0
-    self._bank_next = 0
-    self._bank_on_device = None
-
-  def _bank_add(self, tokens: np.ndarray) -> None:
-    tokens_H, len_H = self._bank
-    if not len(len_H):
-      return
-    i = self._bank_next
-    tokens_H[i] = 0
-    tokens_H[i, :len(tokens)] = tokens
-    len_H[i] = len(tokens)
-    self._bank_next = (i + 1) % len(len_H)
-    self._bank_on_device = None
+    """Forget the responses the lookup arms draft from (e.g. before timing a batch whose own
+    tokens an earlier run put there: drafts that cannot miss)."""
+    self.bank.clear()
 
   def _refill(self, slots, bucket, row_sample, row_prompt, pending, seed):
+    """Prefills pending samples into free rows; returns the slots and the prefill's outputs
+    (None when nothing was prefilled)."""
     free = [r for r, s in enumerate(row_sample) if s is None]
     if slots is not None and (not free or not pending):
-      return slots
+      return slots, None
     take = min(len(free), len(pending))
     k = self._bucket_for(take)
     prompts = np.zeros((k, self.cfg.max_prompt_len), np.int32)
@@ -325,7 +328,7 @@ class RolloutEngine:
     self.prefill_rows += take
     if slots is None:
       slots = self.pool.get("empty", bucket)()
-    return self.pool.get("insert", bucket, k)(slots, new, rows)
+    return self.pool.get("insert", bucket, k)(slots, new, rows), new
 
   def _apply_stop_strings(self, slots, done, row_sample, stopped, bucket):
     tokens, gen = np.asarray(slots.out_tokens), np.asarray(slots.gen)
@@ -365,7 +368,7 @@ class RolloutEngine:
       row_sample[r] = None
       if self.history is not None:
         self.history.finish(sid, toks)
-      self._bank_add(toks)
+      self.bank.add(results[sid].prompt, toks)
       if on_finish is not None:
         on_finish(results[sid])
 

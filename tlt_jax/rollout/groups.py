@@ -1,12 +1,13 @@
 """Rollout over device groups: data-parallel rollout groups on disjoint devices, each one
 `RolloutEngine`, and the devices of groups that finish early lent to drafter training.
 
-A rollout batch is cut into contiguous shares, one per group, decoded under the batch's own
-sample ids (so the tokens are exactly those of one engine decoding the whole batch). The host
-steps each group's `RolloutEngine.rollout` generator as soon as that group's chunk in flight is
-ready (not in turn: a group whose chunk finished would idle behind a slower one); each step
-dispatches the group's next decode chunk and returns without waiting, so the groups' chunks run
-concurrently on their devices.
+A rollout batch is cut into even shares, one per group, decoded under the batch's own sample
+ids (so the tokens are exactly those of one engine decoding the whole batch); a prompt seen
+before goes to the group that holds its earlier responses (`route`), where the model-free
+drafters read them. The host steps each group's `RolloutEngine.rollout` generator as soon as
+that group's chunk in flight is ready (not in turn: a group whose chunk finished would idle
+behind a slower one); each step dispatches the group's next decode chunk and returns without
+waiting, so the groups' chunks run concurrently on their devices.
 When a group has no live sequence left, its devices are idle until the barrier (the slowest
 group): they are lent to a `tlt.spot.SpotTrainer`, which dispatches one drafter training step
 per round there while the other groups keep decoding. At the barrier training stops between
@@ -66,6 +67,29 @@ def arm_totals(chunks) -> dict[str, dict]:
   return out
 
 
+def route(prompts: list[list[int]], holds: Sequence[Callable[[list[int]], int]]
+          ) -> list[list[int]]:
+  """Prompt indices per group: as many per group as an even split gives, each prompt to the
+  group holding most of its earlier responses (`holds[g](prompt)`: history trie, lookup bank)
+  while that group has room, the others in batch order. A revisited prompt then drafts from its
+  earlier responses (where a contiguous split would send it to any group), and nothing about
+  its tokens changes: a sample's tokens depend on its id, not its group."""
+  room = [len(s) for s in np.array_split(np.arange(len(prompts)), len(holds))]
+  shares: list[list[int]] = [[] for _ in holds]
+  others = []
+  for i, prompt in enumerate(prompts):
+    held = [h(prompt) for h in holds]
+    home = int(np.argmax(held))
+    if held[home] and len(shares[home]) < room[home]:
+      shares[home].append(i)
+    else:
+      others.append(i)
+  for i in others:
+    g = next(g for g in range(len(shares)) if len(shares[g]) < room[g])
+    shares[g].append(i)
+  return [sorted(s) for s in shares]
+
+
 class GroupedRollout:
   """One `RolloutEngine` per device group; `generate` decodes a batch across all of them."""
 
@@ -111,6 +135,10 @@ class GroupedRollout:
       e.update_drafter(drafter)
     self.drafter_version = version
 
+  def route(self, prompts: list[list[int]]) -> list[list[int]]:
+    """The batch's prompt indices per group (`route`, by the responses each engine holds)."""
+    return route(prompts, [e.holds_prompt for e in self.engines])
+
   def generate(self, prompts: list[list[int]], *, group_size: int = 1, seed: int | None = None,
                on_finish: Callable[[Sample], None] | None = None,
                spot: SpotTrainer | None = None, min_live_share: float = 0.0,
@@ -120,16 +148,15 @@ class GroupedRollout:
     groups, or also of groups whose live sequences fell under `min_live_share` of their share
     (single-group machines: the tail's spare compute)."""
     G = len(self.engines)
-    shares = np.array_split(np.arange(len(prompts)), G)
+    shares = self.route(prompts)
     budgets = kw.pop("max_new_per_sample", None)  # per sample of the batch: cut per group
     runs = {}
     for g, idx in enumerate(shares):
       if len(idx):
-        first = int(idx[0]) * group_size
         share_budgets = (None if budgets is None else
-                         list(budgets[first:first + len(idx) * group_size]))
+                         [b for i in idx for b in budgets[i * group_size:(i + 1) * group_size]])
         runs[g] = self.engines[g].rollout([prompts[i] for i in idx], group_size=group_size,
-                                          seed=seed, on_finish=on_finish, first_sample_id=first,
+                                          seed=seed, on_finish=on_finish, prompt_ids=idx,
                                           max_new_per_sample=share_budgets, **kw)
     trace_from = [len(e.trace) for e in self.engines]
     results: list[Sample] = []

@@ -245,6 +245,10 @@ class HistoryDrafter:
         del self.groups[g]
         del self.finished[g]
 
+  def holds(self, prompt) -> int:
+    """How many finished responses to `prompt` the group's trie still counts."""
+    return len(self.finished.get(tuple(int(t) for t in prompt), ()))
+
   def begin(self, sample_id: int, prompt) -> None:
     if sample_id in self.live:  # an id reused by a later rollout (one abandoned midway)
       self.finish(sample_id, ())
