@@ -28,4 +28,8 @@ def prompt_dataset(rows: list[dict], *, batch_size: int, seed: int, process_inde
   ds = ds.repeat(num_epochs)
   if transform is not None:
     ds = ds.map(transform)
-  return ds.batch(batch_size, drop_remainder=True, batch_fn=list).to_iter_dataset()
+  # One RL step takes seconds and reads one batch, so one batch read ahead is plenty. Grain's
+  # default (16 threads, 500 elements ahead) spent step 1's rollout computing shuffled indices
+  # in 16 Python threads: that rollout ran 5x slower than the next ones (BENCHMARKS.md).
+  return ds.batch(batch_size, drop_remainder=True, batch_fn=list).to_iter_dataset(
+      grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))

@@ -212,13 +212,6 @@ class RolloutEngine:
     t_start = time.perf_counter()
     while pending or any(r is not None for r in row_sample):
       slots, prefilled = self._refill(slots, bucket, row_sample, row_prompt, pending, seed)
-      # A refill's prefill runs before the chunk that decodes its rows: the chunk's clock starts
-      # when it is done, not at the chunk's dispatch. Charged to the chunk, the prefill of a
-      # full bucket made the arm the tuner tries first there (off) 2.7x slower than it is, and
-      # the tuner ran SD arms that were not faster (BENCHMARKS.md). (The chunk donates `slots`,
-      # so the clock waits on the prefill's own outputs.)
-      inputs_ready = (self._ready_clock.submit(_ready_time, prefilled.done)
-                      if prefilled is not None else None)
       chosen = self._choose_arm(bucket, arm, chunks, sd_after_rounds)
       t0 = time.perf_counter()
       live = sum(r is not None for r in row_sample)
@@ -226,8 +219,7 @@ class RolloutEngine:
       host_s = 0.0
       if chosen.is_history:
         drafts = self._history_drafts(slots, row_sample, chosen)
-        # It read the rows' tokens, so the prefill before it is done.
-        host_s = time.perf_counter() - (max(t0, inputs_ready.result()) if inputs_ready else t0)
+        host_s = time.perf_counter() - t0
         slots, emitted, rounds, row_rounds = program(self.pool.params, self.pool.draft_params,
                                                      slots, seed, *drafts)
       elif chosen.reads_bank:
@@ -240,14 +232,17 @@ class RolloutEngine:
       ready_at = self._ready_clock.submit(_ready_time, slots.done)
       yield bucket, live, ready_at  # dispatched, not waited for
       done = np.asarray(slots.done)
-      start = max(t0, inputs_ready.result()) if inputs_ready is not None else t0
-      dt = ready_at.result() - start
+      dt = ready_at.result() - t0
       emitted, rounds, row_rounds = int(emitted), int(rounds), int(row_rounds)
       self.target_tokens_processed += bucket * rounds * chosen.verify_tokens
-      # Mean rows active per round: a row that finished in round 2 of 8 is not charged 8.
-      self.tuner.update(bucket, chosen, emitted, dt, row_rounds / max(rounds, 1))
-      self.trace.append(ChunkTrace(start - t_start, dt, bucket, live, chosen.name, emitted,
-                                   rounds, host_s, row_rounds))
+      # Mean rows active per round: a row that finished in round 2 of 8 is not charged 8. A
+      # refill's prefill ran on the device just before this chunk and is in its time (the
+      # chunk donates `slots`, and waiting for the prefill on the host would hold up the other
+      # groups' chunks), so that sample only stands in for the arm until a clean one comes.
+      self.tuner.update(bucket, chosen, emitted, dt, row_rounds / max(rounds, 1),
+                        provisional=prefilled is not None)
+      self.trace.append(ChunkTrace(t0 - t_start, dt, bucket, live, chosen.name, emitted, rounds,
+                                   host_s, row_rounds))
       chunks += 1
       if cfg.stop_strings:
         slots, done = self._apply_stop_strings(slots, done, row_sample, stopped, bucket)
