@@ -689,8 +689,8 @@ def test_a_chunk_is_timed_to_its_results_not_to_when_the_host_came_back():
 
 def test_a_chunk_after_a_prefill_only_stands_in_until_a_clean_one(monkeypatch):
   """The prefill of a refill runs on the device just before the chunk that decodes its rows, and
-  that chunk's time holds it: the tuner keeps such a sample only while the arm has no other.
-  (Charged in full, a full bucket's prefill made `off`, the arm tried first, look 2.7x slower.)"""
+  that chunk's time holds it: the tuner keeps such a sample only while the arm has no other
+  (charged in full, a full bucket's prefill made `off`, the arm tried first, look slower)."""
   engine, _ = _plain()
   engine.generate(PROMPTS[:2], arm=OFF)  # every program this rollout calls, built
   engine.trace.clear()

@@ -6,8 +6,8 @@ so they are ahead of every row decoding it now, where its siblings decode in loc
 and rarely are. SpecRL drafts from exactly these. So the bank a chunk gets holds, first, the
 earlier responses to the prompts live in its bucket (newest first, the prompts taking turns),
 then the newest finished responses of any prompt. On bench_tlt's trajectory with 16 training
-problems revisited every other step, this raises lookup_chain8's accept length from 2.38 (the
-newest 16 only) to 3.93 (BENCHMARKS.md, "Prompt-aware bank").
+problems revisited every other step, this raises lookup_chain8's accept length from 2.41 (the
+newest 16 only) to 3.57 (BENCHMARKS.md, "Revisited prompts").
 
 Memory: the newest H responses, plus at most `history_tokens` tokens of earlier responses
 (oldest evicted first; per prompt only the newest H, as no bank holds more). Building a bank is
@@ -27,8 +27,8 @@ import numpy as np
 class ResponseBank:
 
   def __init__(self, size: int, max_new_tokens: int, history_tokens: int = 0):
-    """size: H, the responses one bank holds; history_tokens: the budget for earlier responses
-    per prompt (0 = the bank is always the newest H responses of any prompt)."""
+    """size: H, the responses one bank holds; history_tokens: how many tokens of earlier
+    responses it keeps, all prompts together (0 = the bank is always the newest H responses)."""
     if size < 0 or history_tokens < 0:
       raise ValueError(f"bank size and history_tokens must be >= 0, got {size}, {history_tokens}")
     self.size, self.max_new, self.history_tokens = size, max_new_tokens, history_tokens

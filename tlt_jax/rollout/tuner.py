@@ -12,8 +12,8 @@ arms are tried first. History arms (chains drafted on the host, `rollout.history
 arms (chains looked up on device in the bucket's own rows, `rollout.steps`) compete like the
 others: a history chunk's time includes the host's drafting. A chunk right after a refill also
 includes its prefill (it runs on the device just before); its sample is provisional, the arm's
-figure only until a clean one comes: as the first sample of `off`, tried first in each bucket,
-it made plain decoding look up to 2.7x slower than it was. The state is plain data
+figure only until a clean one comes (as the first sample of `off`, the arm tried first in each
+bucket, it made plain decoding look slower than the arms tried after it). The state is plain data
 (`state_dict` / `load_state_dict`) so it is checkpointed with the run.
 """
 
