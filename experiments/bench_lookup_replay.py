@@ -1,6 +1,6 @@
 """Accept length of the model-free arms, chains vs trees, on the RL job's own GRPO rollouts.
 
-    python -m experiments.bench_lookup_replay     # ~4 min here
+    python -m experiments.bench_lookup_replay     # ~2 min here
     python -m experiments.bench_lookup_replay --train-problems 16 --out lookup_replay_revisits.json
 
 What a lookup round accepts does not depend on the device: verification is exact, so a draft
