@@ -22,6 +22,12 @@ explored on other seeds, its history cleared before the timed run.
 Lookup arms (`lookup_chainN`: chains looked up on device in the bucket's rows and a bank of recent
 responses, `chunk_steps` rounds per program call) run on the history engine too, measured the same
 way (`lookup`: the best lookup arm per batch size), their bank emptied with the history.
+The trees (`lookup_treeD_W`: W looked-up chains verified as one trie; `combined_treeD_W`: the
+learned drafter's chain and W looked-up ones in one trie) run on a third engine, with the drafter
+and without history arms, once the other engines are freed, on the same batches, measured the
+same way (`lookup_tree` and `combined`: the best of each per batch size); in the long tail
+`compaction_combined` is compaction with the tuner free over off, those trees and the learned
+chains 2 and 4, explored on other seeds, its bank emptied before the timed run.
 Prints one JSON object and writes experiments/results/rollout.json.
 """
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -43,11 +50,13 @@ from flax import nnx
 from tlt_jax import compile_cache, logs, ops
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import ModelConfig, Transformer
+from tlt_jax.rollout import programs
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.history import HistoryDrafter
-from tlt_jax.rollout.tuner import OFF, default_arms, history_arm, lookup_arm, tree_arm
+from tlt_jax.rollout.tuner import (OFF, combined_arm, default_arms, history_arm, lookup_arm,
+                                   lookup_tree_arm, tree_arm)
 from tlt_jax.tlt.drafter_trainer import train_on_sequences
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -57,6 +66,8 @@ TARGET = ModelConfig(arch="qwen3", vocab_size=512, hidden_size=256, intermediate
 PROMPT_LEN = 16
 HISTORY_DEPTHS = (2, 4, 8)
 HISTORY_GLOBAL_TOKENS = 4096  # as bench_tlt's history variant
+LOOKUP_TREES = ((4, 2), (4, 3))  # (depth, chains): verify 9 and 13 tokens
+COMBINED_TREES = ((4, 1), (4, 2))  # (depth, looked-up chains) beside the learned chain of depth
 
 
 def build_target() -> Transformer:
@@ -93,6 +104,14 @@ def measure(engine: RolloutEngine, batch: list[list[int]], arm: str) -> dict:
   if engine.history is not None and rounds and arm.startswith("history"):
     out["host_ms_per_round"] = 1e3 * sum(t.host_s for t in rounds) / len(rounds)
   return out
+
+
+def release() -> None:
+  """Frees the programs of engines no longer referenced: their executables, the ones engines
+  share within the process (`programs.clear_shared_programs`) and JAX's caches."""
+  gc.collect()
+  programs.clear_shared_programs()
+  jax.clear_caches()
 
 
 def tokens_per_s(engine: RolloutEngine, batch: list[list[int]], **kwargs) -> tuple[float, list]:
@@ -132,6 +151,9 @@ def main() -> None:
                                        steps=150 if args.quick else 600, batch_size=32)
   warmup_s = time.perf_counter() - t0
 
+  del plain_engine
+  release()
+
   engine = RolloutEngine(target, cfg, drafter)
   engine.pool.warm_up()
   hist_engine = RolloutEngine(target, dataclasses.replace(
@@ -139,9 +161,9 @@ def main() -> None:
       + tuple(lookup_arm(d) for d in HISTORY_DEPTHS)))
   fresh_history(hist_engine)
   hist_engine.pool.warm_up()
-  per_bucket = []
+  batches, per_bucket = {}, []
   for b in buckets:
-    batch = prompts(b, rng)
+    batch = batches[b] = prompts(b, rng)
     allowed = engine.tuner.allowed[b]
     for arm in allowed:  # first executions are slow (allocation): run each once untimed
       engine.generate(batch, arm=arm)
@@ -158,21 +180,12 @@ def main() -> None:
       fresh_history(hist_engine)
       by_arm[arm] = measure(hist_engine, batch, arm)
     plain = by_arm[OFF]["tokens_per_s"]
-    best_of = lambda kind: max((a for a in hist_allowed if a.startswith(kind)),
-                               key=lambda a: by_arm[a]["tokens_per_s"])
-    model_free = {kind: dict(arm=best_of(kind), accept_len=by_arm[best_of(kind)]["accept_len"],
-                             tokens_per_s=by_arm[best_of(kind)]["tokens_per_s"],
-                             speedup=by_arm[best_of(kind)]["tokens_per_s"] / plain)
-                  for kind in ("history", "lookup")}
     per_bucket.append(dict(batch_size=b, plain_tokens_per_s=plain,
                            sd_tokens_per_s=by_arm[best]["tokens_per_s"],
                            speedup=by_arm[best]["tokens_per_s"] / plain,
-                           accept_len=by_arm[best]["accept_len"], arm=best,
-                           **model_free, arms=by_arm))
+                           accept_len=by_arm[best]["accept_len"], arm=best, arms=by_arm))
     print(f"[bench_rollout] batch {b}: plain {plain:.0f} tok/s, {best} "
-          f"{by_arm[best]['tokens_per_s']:.0f}, "
-          + ", ".join(f"{m['arm']} {m['tokens_per_s']:.0f}" for m in model_free.values()),
-          file=sys.stderr)
+          f"{by_arm[best]['tokens_per_s']:.0f}", file=sys.stderr)
 
   # One long-tail batch: 64 samples, Pareto length budgets (most short, a few at the cap).
   budgets = np.minimum(np.ceil(4 * (1 + rng.pareto(1.2, 64))), new_tokens).astype(int).tolist()
@@ -189,6 +202,7 @@ def main() -> None:
     long_tail[name] = time.perf_counter() - start
     if name == "compaction_sd":
       long_tail["trace"] = [dataclasses.asdict(t) for t in eng.trace]
+  del eng
   for seed in (1, 2, 3):  # the tuner explores the model-free arms on other seeds' tokens
     hist_engine.generate(tail_prompts, max_new_per_sample=budgets, seed=seed)
   fresh_history(hist_engine)
@@ -197,8 +211,51 @@ def main() -> None:
   hist_engine.generate(tail_prompts, max_new_per_sample=budgets)
   long_tail["compaction_history"] = time.perf_counter() - start
   long_tail["history_chunks_by_arm"] = dict(collections.Counter(t.arm for t in hist_engine.trace))
+  # A CPU process maps each compiled program's code separately, and three warmed-up engines'
+  # programs pass Linux's default limit of 65530 maps ("LLVM compilation error: Cannot allocate
+  # memory", then a crash): the tree engine runs once the others are gone.
+  del engine, hist_engine, static_engine
+  release()
+
+  tree_engine = RolloutEngine(target, dataclasses.replace(
+      cfg, arms=arms[:3] + tuple(lookup_tree_arm(d, w) for d, w in LOOKUP_TREES)
+      + tuple(combined_arm(d, w) for d, w in COMBINED_TREES)), drafter)
+  tree_engine.pool.warm_up()
+  for row in per_bucket:
+    b, batch = row["batch_size"], batches[row["batch_size"]]
+    tree_allowed = [a for a in tree_engine.tuner.allowed[b] if "_tree" in a]
+    for arm in tree_allowed:
+      tree_engine.generate(batch, arm=arm)
+    for arm in tree_allowed:
+      tree_engine.clear_bank()
+      row["arms"][arm] = measure(tree_engine, batch, arm)
+  for seed in (1, 2, 3):  # the tuner explores off, the learned chains and the trees
+    tree_engine.generate(tail_prompts, max_new_per_sample=budgets, seed=seed)
+  tree_engine.clear_bank()
+  tree_engine.trace.clear()
+  start = time.perf_counter()
+  tree_engine.generate(tail_prompts, max_new_per_sample=budgets)
+  long_tail["compaction_combined"] = time.perf_counter() - start
+  long_tail["combined_chunks_by_arm"] = dict(collections.Counter(t.arm for t in tree_engine.trace))
+
+  kinds = {"history": "history_", "lookup": "lookup_chain", "lookup_tree": "lookup_tree",
+           "combined": "combined_tree"}
+  for row in per_bucket:  # per batch size the best arm of each kind, as measured
+    by_arm, plain = row["arms"], row["plain_tokens_per_s"]
+    for kind, prefix in kinds.items():
+      arm = max((a for a in by_arm if a.startswith(prefix)),
+                key=lambda a: by_arm[a]["tokens_per_s"], default=None)
+      if arm is not None:
+        row[kind] = dict(arm=arm, accept_len=by_arm[arm]["accept_len"],
+                         tokens_per_s=by_arm[arm]["tokens_per_s"],
+                         speedup=by_arm[arm]["tokens_per_s"] / plain)
+    row["arms"] = row.pop("arms")  # after the per-kind entries, as before
+    print(f"[bench_rollout] batch {row['batch_size']}: plain {plain:.0f} tok/s, "
+          + ", ".join(f"{row[k]['arm']} {row[k]['tokens_per_s']:.0f}" for k in kinds if k in row),
+          file=sys.stderr)
   long_tail["speedup"] = long_tail["static"] / long_tail["compaction_sd"]
   long_tail["speedup_history"] = long_tail["static"] / long_tail["compaction_history"]
+  long_tail["speedup_combined"] = long_tail["static"] / long_tail["compaction_combined"]
   long_tail["budgets"] = budgets
 
   params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(target, nnx.Param)))

@@ -1,11 +1,11 @@
 """TLT end to end on this CPU: RL steps with SD off, with a static warmed-up drafter, with the
 drafter trained on idle devices during the tail, and with model-free history arms instead of a
-drafter (the same trajectory, bitwise, in all four).
+drafter (the same trajectory, bitwise, in all four); `combined` on request.
 
     python -m experiments.bench_tlt [--quick] [--steps N] [--repeats 3]
         [--order baseline,static_drafter,tlt,history] [--variants baseline,history]
         [--drafter DIR] [--out NAME.json] [--history-arms ARMS] [--groups 2]
-        [--train-problems N]
+        [--train-problems N] [--combined-arms ARMS]
 
 Setup: the tiny_arith policy on a longer-tailed mix (more 8- and 16-digit problems, so the tail
 is where rollout time goes), two data-parallel rollout groups on two host devices, gumbel
@@ -16,7 +16,9 @@ finishes first and publishes new versions between steps. `history` has no learne
 tuner chooses between plain decoding and history chains (`rollout.history_arms`, drafted on the
 host from each prompt's siblings so far, its earlier responses and a global trie of recent
 responses; `rollout/history.py`; `--history-arms` offers others, e.g. the lookup arms drafted on
-device). `--groups 1` decodes as one rollout group over both host devices, so no other
+device). `combined` (not run by default) is the static drafter with the tuner choosing between
+plain decoding, its chains and `--combined-arms` (its chain and looked-up ones verified as one
+tree). `--groups 1` decodes as one rollout group over both host devices, so no other
 group's chunks share the cores while a chunk is timed. `--variants` runs a subset (no drafter
 warm-up without static_drafter or tlt). `--train-problems N` trains on N problems instead of
 4096, so every prompt comes back every N / 8 steps (epochs over a small dataset), where the
@@ -58,10 +60,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
 CONFIG = os.path.join(ROOT, "experiments", "configs", "tiny_arith.py")
 MIX = "2:0.25,4:0.25,8:0.25,16:0.25"
-# (learned-drafter SD, spot training, history arms)
-VARIANTS = {"baseline": (False, False, False), "static_drafter": (True, False, False),
-            "tlt": (True, True, False), "history": (False, False, True)}
+# (learned-drafter SD, spot training, history arms, combined arms)
+VARIANTS = {"baseline": (False, False, False, False),
+            "static_drafter": (True, False, False, False), "tlt": (True, True, False, False),
+            "history": (False, False, True, False), "combined": (True, False, False, True)}
 HISTORY_ARMS = "history_chain2,history_chain4,history_chain8"
+COMBINED_ARMS = "combined_tree4_1,combined_tree4_2"
 
 
 def base_config(steps: int, workdir: str, groups: int = 2, train_problems: int = 0):
@@ -82,9 +86,12 @@ def base_config(steps: int, workdir: str, groups: int = 2, train_problems: int =
 
 
 def variant_config(name: str, steps: int, workdir: str, drafter_dir: str,
-                   history_arms: str = HISTORY_ARMS, groups: int = 2, train_problems: int = 0):
+                   history_arms: str = HISTORY_ARMS, groups: int = 2, train_problems: int = 0,
+                   combined_arms: str = COMBINED_ARMS):
   c = base_config(steps, workdir, groups, train_problems)
-  c.tlt.enabled, c.tlt.spot_training, history = VARIANTS[name]
+  c.tlt.enabled, c.tlt.spot_training, history, combined = VARIANTS[name]
+  if combined:
+    c.tlt.arms += "," + combined_arms
   if history:
     c.rollout.history_arms = history_arms
     c.rollout.history_global_tokens = 4096
@@ -125,12 +132,13 @@ def train_equalized(variants: dict) -> dict[str, float]:
 
 
 def run_child(name: str, steps: int, drafter_dir: str, workdir: str, history_arms: str,
-              groups: int, train_problems: int) -> dict:
+              groups: int, train_problems: int, combined_arms: str) -> dict:
   """One variant in a fresh process (its own JAX runtime, caches and allocator; the program
   pool loads from the persistent compilation cache after the first run of a variant)."""
   cmd = [sys.executable, "-m", "experiments.bench_tlt", "--variant", name, "--steps", str(steps),
          "--drafter", drafter_dir, "--workdir", workdir, "--history-arms", history_arms,
-         "--groups", str(groups), "--train-problems", str(train_problems)]
+         "--groups", str(groups), "--train-problems", str(train_problems),
+         "--combined-arms", combined_arms]
   subprocess.run(cmd, check=True, cwd=ROOT, stdout=sys.stderr)  # stdout: the one JSON object
   with open(os.path.join(workdir, "variant.json")) as f:
     return json.load(f)
@@ -155,7 +163,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=0)
   parser.add_argument("--repeats", type=int, default=0,
                       help="runs of each variant (default 3, 1 with --quick); medians are reported")
-  parser.add_argument("--variants", default=",".join(VARIANTS),
+  parser.add_argument("--variants", default="baseline,static_drafter,tlt,history",
                       help="the variants to run (baseline always among them)")
   parser.add_argument("--order", default="",
                       help="the first repeat's order (default: --variants'); each next repeat "
@@ -166,6 +174,8 @@ def main() -> None:
   parser.add_argument("--out", default="", help="result file name under experiments/results/")
   parser.add_argument("--history-arms", default=HISTORY_ARMS,
                       help="the history variant's model-free arms (rollout.history_arms)")
+  parser.add_argument("--combined-arms", default=COMBINED_ARMS,
+                      help="the combined variant's trees, beside tlt.arms' chains")
   parser.add_argument("--groups", type=int, default=2, choices=(1, 2),
                       help="rollout groups over the two host devices (rollout.groups)")
   parser.add_argument("--train-problems", type=int, default=0,
@@ -182,7 +192,8 @@ def main() -> None:
   if args.variant:  # one variant in this process (see run_child)
     measured = run_variant(args.variant, variant_config(args.variant, steps, args.workdir,
                                                          args.drafter, args.history_arms,
-                                                         args.groups, args.train_problems))
+                                                         args.groups, args.train_problems,
+                                                         args.combined_arms))
     with open(os.path.join(args.workdir, "variant.json"), "w") as f:
       json.dump(measured, f)
     return
@@ -220,7 +231,7 @@ def main() -> None:
         workdir = os.path.join(tmp, f"{name}-{r}")
         os.makedirs(workdir)
         runs[name].append(run_child(name, steps, drafter_dir, workdir, args.history_arms,
-                                    args.groups, args.train_problems))
+                                    args.groups, args.train_problems, args.combined_arms))
   trajectories = [run["reward_mean_by_step"] for rs in runs.values() for run in rs]
   variants = {name: aggregate(rs) for name, rs in runs.items()}
   base = variants["baseline"]
@@ -243,6 +254,14 @@ def main() -> None:
                     sd_chunk_fraction_history_by_step=[
                         [s["sd_chunk_fraction"] for s in run["per_step"]]
                         for run in runs["history"]])
+  if "combined" in variants:  # the learned drafter's chains and its combined trees, the tuner free
+    comb = variants["combined"]
+    speedups.update(speedup_end_to_end_combined=base["step_s_total"] / comb["step_s_total"],
+                    speedup_rollout_combined=base["rollout_s_total"] / comb["rollout_s_total"],
+                    speedup_end_to_end_combined_by_repeat=paired("combined"),
+                    sd_chunk_fraction_combined_by_step=[
+                        [s["sd_chunk_fraction"] for s in run["per_step"]]
+                        for run in runs["combined"]])
   result = {
       "machine": f"{platform.machine()} {os.cpu_count()} cpus, 2 host devices",
       "config": f"tiny_arith, mix {MIX}, 8 prompts x 4 samples, {args.groups} rollout groups",
@@ -252,6 +271,7 @@ def main() -> None:
       "repeats": repeats,
       "orders": orders,
       "history_arms": args.history_arms,
+      "combined_arms": args.combined_arms,
       "warmup": {k: warm[k] for k in ("examples", "tokens", "steps", "final", "seconds")
                  if k in warm},
       "variants": variants,

@@ -667,7 +667,7 @@ most of a CPU step is per-op overhead, and an accept length below 3 does not cov
 decoding (the host devices are one CPU, so "idle" devices are not idle compute), and in ten RL
 steps the policy barely drifts, so the adaptive drafter has little to adapt to (its accept
 length, 2.44, within the runs' spread of the static drafter's 2.40). The simulation, fitted to
-these CPU costs, predicts only 1.10-1.12x at 8-1024 devices (1.21-1.28x with a memory-bound cost
+these CPU costs, predicts only 1.06-1.09x at 8-1024 devices (1.19-1.25x with a memory-bound cost
 shape): the paper's 1.7-2.1x needs a heavier tail, cheaper SD rounds, or its accept lengths
 (~6). What would change the picture is real accelerators (disjoint compute per group), a target
 large relative to its drafter, and long RL runs in which the policy drifts.'''),

@@ -19,6 +19,7 @@ from tests.conftest import on_devices
 from tlt_jax import ops
 from tlt_jax.model.drafter import Drafter
 from tlt_jax.model.transformer import ModelConfig, Transformer
+from tlt_jax.rollout import drafter_text
 from tlt_jax.rollout import programs as programs_lib
 from tlt_jax.rollout import steps as steps_lib
 from tlt_jax.rollout.config import EngineConfig
@@ -177,6 +178,35 @@ def test_a_revisited_prompt_drafts_from_its_earlier_responses():
     accept[kept] = sum(t.emitted for t in chunks) / sum(t.row_rounds for t in chunks)
     assert engine.holds_prompt(PROMPTS[0]) == (2 if kept else 0)  # at most a bank's worth
   assert accept[1 << 20] == 5.0 - 1.0 and accept[0] < 3.0, accept
+
+
+def test_a_restarted_engine_drafts_from_the_text_it_restored(tmp_path):
+  """The revisit above across a restart: the first engine's history and bank spilled
+  (`rollout.drafter_text`) and restored into a new engine, which then drafts the prompt's
+  earlier responses as the first would (every draft accepted); a new engine without them
+  drafts from its siblings only. Both bitwise plain decoding."""
+  target, _ = _models()
+  cfg = dataclasses.replace(LOOKUP_CFG, lookup_bank=2, lookup_history_tokens=1 << 20,
+                            arms=LOOKUP_CFG.arms + (history_arm(4),))
+  path = str(tmp_path / "group_0.npz")
+  with ops.numerics_mode("batch_invariant"):
+    first = RolloutEngine(target, cfg, None)
+    first.generate(PROMPTS[:1], group_size=2, arm="lookup_chain4")
+    first.generate(PROMPTS[1:5], arm=OFF)
+    drafter_text.spill(first.history, first.bank, path)
+    reference = RolloutEngine(target, cfg, None).generate(PROMPTS[:1], group_size=2, arm=OFF)
+    accept = {}
+    for restored in (True, False):
+      for arm in ("lookup_chain4", "history_chain4"):
+        engine = RolloutEngine(target, cfg, None)
+        if restored:
+          drafter_text.restore(engine.history, engine.bank, path)
+          assert engine.holds_prompt(PROMPTS[0]) == first.holds_prompt(PROMPTS[0]) == 2 + 2
+        _assert_same(reference, engine.generate(PROMPTS[:1], group_size=2, arm=arm))
+        accept[restored, arm] = (sum(t.emitted for t in engine.trace)
+                                 / sum(t.row_rounds for t in engine.trace))
+  assert accept[True, "lookup_chain4"] == 5.0 - 1.0 and accept[False, "lookup_chain4"] < 3.0
+  assert accept[True, "history_chain4"] > accept[False, "history_chain4"], accept
 
 
 def _reference_lookup(rows, bank, depth, max_order, width=1):

@@ -12,6 +12,7 @@ import safetensors.numpy
 from tests.conftest import on_devices
 from tlt_jax import config as config_lib
 from tlt_jax import job, metrics, train
+from tlt_jax.rollout import drafter_text
 
 CONFIG = os.path.join(job.REPO_ROOT, "experiments", "configs", "tiny_arith.py")
 TIMING = {"rollout_s", "reward_wait_s", "train_s", "step_s", "rollout_tokens_per_s"}
@@ -121,18 +122,29 @@ def test_tlt_changes_nothing_but_time(plain_run, tmp_path):
   _assert_same_adapter(_adapter(off_dir), _adapter(tmp_path / "on"))
 
 
-def test_history_arms_change_nothing_but_time(plain_run, tmp_path):
+def _history_config(workdir, steps: int):
+  c = _short_config(workdir, steps)
+  c.rollout.groups = 2
+  c.rollout.history_arms, c.rollout.history_global_tokens = "history_chain2,lookup_chain4", 256
+  return c
+
+
+@pytest.fixture(scope="module")
+def history_run(tmp_path_factory, _on_two_devices):
+  """Two steps straight with model-free arms across two rollout groups."""
+  workdir = tmp_path_factory.mktemp("hist")
+  return workdir, train.run(_history_config(workdir, 2))
+
+
+def test_history_arms_change_nothing_but_time(plain_run, history_run):
   """Model-free chains (rollout.history_arms, no learned drafter, tlt off), drafted on the host
   from each group's siblings and a global trie (history_chain2) and looked up on device in the
   bucket's rows and the bank of recent responses (lookup_chain4), across two rollout groups: the
   run without them, bitwise."""
   off_dir, _ = plain_run
-  c = _short_config(tmp_path / "hist", 2)
-  c.rollout.groups = 2
-  c.rollout.history_arms, c.rollout.history_global_tokens = "history_chain2,lookup_chain4", 256
-  on = train.run(c)
+  hist_dir, on = history_run
   assert not on["tlt"]
-  records = metrics.read_jsonl(str(tmp_path / "hist" / "metrics.jsonl"))
+  records = metrics.read_jsonl(str(hist_dir / "metrics.jsonl"))
   assert max(r.get("sd_chunk_fraction", 0.0) for r in records) > 0.0  # history rounds ran
   # Per arm, each step: the fractions of decode chunks cover them all, and the model-free ones
   # are what sd_chunk_fraction counts (computed from the chunks separately).
@@ -144,8 +156,41 @@ def test_history_arms_change_nothing_but_time(plain_run, tmp_path):
     assert 1.0 - fractions.get("off", 0.0) == pytest.approx(r["sd_chunk_fraction"])
     assert all(r[f"arm_accept_len/{arm}"] > 0 and r[f"arm_seconds/{arm}"] > 0 for arm in fractions)
   drop = TIMING | TLT_ONLY
-  assert _rows(off_dir, drop) == _rows(tmp_path / "hist", drop)
-  _assert_same_adapter(_adapter(off_dir), _adapter(tmp_path / "hist"))
+  assert _rows(off_dir, drop) == _rows(hist_dir, drop)
+  _assert_same_adapter(_adapter(off_dir), _adapter(hist_dir))
+
+
+def _earlier_responses(workdir, step: int) -> list[dict]:
+  """Per rollout group, the earlier responses its history holds per prompt at `step`, read from
+  the text beside the checkpoint: {prompt: sorted responses} (sorted: the order samples finish
+  in depends on which arms the tuner timed fastest)."""
+  out = []
+  for group in (0, 1):
+    with np.load(workdir / "drafter_text" / f"step_{step}" / f"group_{group}.npz") as f:
+      tokens, offsets, records = f["tokens"], f["offsets"], f["records"]
+      prompt_tokens, prompt_offsets = f["prompt_tokens"], f["prompt_offsets"]
+    per_prompt = {}
+    for kind, p, r in records.tolist():
+      if kind == drafter_text.HISTORY_GROUP:
+        prompt = tuple(prompt_tokens[prompt_offsets[p]:prompt_offsets[p + 1]].tolist())
+        per_prompt.setdefault(prompt, []).append(tuple(tokens[offsets[r]:offsets[r + 1]]))
+    out.append({p: sorted(rs) for p, rs in per_prompt.items()})
+  return out
+
+
+def test_history_arms_resume_with_the_responses_they_drafted_from(history_run, tmp_path):
+  """Stopped after step 1 and resumed, a run with model-free arms gets its history tries and
+  lookup banks back from the text written beside step 1's checkpoint: after step 2 each
+  rollout group's history holds the same earlier responses per prompt as the run that did not
+  stop (without them it would hold step 2's alone)."""
+  straight_dir, _ = history_run
+  train.run(_history_config(tmp_path / "resumed", 1))
+  assert train.run(_history_config(tmp_path / "resumed", 2))["resumed_from"] == 1
+  step_1, step_2 = (_earlier_responses(straight_dir, s) for s in (1, 2))
+  held = lambda groups: sum(len(rs) for g in groups for rs in g.values())
+  assert held(step_1) > 0 and held(step_2) > held(step_1)
+  assert _earlier_responses(tmp_path / "resumed", 2) == step_2
+  assert sorted(os.listdir(tmp_path / "resumed" / "drafter_text")) == ["step_1", "step_2"]
 
 
 def test_resume_is_bitwise(plain_run, tmp_path, _on_two_devices):

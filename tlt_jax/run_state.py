@@ -11,6 +11,10 @@ run's: arrays (Orbax items) and host state (its JSON meta), one entry per statef
     buffer        the drafter's window of hidden states, spilled per step beside the
                   checkpoints (drafter_buffer/step_<s>/) before step s's checkpoint starts, so
                   a committed step always has its own spill and a killed spill has no step
+    drafter text  the model-free drafters' responses (history tries, lookup bank), one file per
+                  rollout group beside the checkpoints (drafter_text/step_<s>/), written the
+                  same way; a step without them resumes with those drafters empty (only speed
+                  depends on them: `rollout.drafter_text`)
 
 Every part is saved by `save` and restored by `restore`, in the same order. `restore` falls
 back past an unreadable newest step (a run killed while writing it, a damaged disk) to the
@@ -31,6 +35,7 @@ import jax
 from tlt_jax import config as config_lib
 from tlt_jax import multihost
 from tlt_jax.job import Job
+from tlt_jax.rollout import drafter_text
 from tlt_jax.tlt.buffer import DrafterBuffer
 
 
@@ -70,6 +75,13 @@ def buffer_dir(job: Job, step: int) -> str:
                       *([f"process_{jax.process_index()}"] if job.multi_process else []))
 
 
+def text_path(job: Job, step: int, group: int) -> str:
+  """Where rollout group `group`'s drafter text at step `step` lives (this process's)."""
+  return os.path.join(job.workdir, "drafter_text", f"step_{step}",
+                      *([f"process_{jax.process_index()}"] if job.multi_process else []),
+                      f"group_{group}.npz")
+
+
 def save(job: Job, progress: Progress) -> None:
   """Starts the checkpoint of step `progress.step` (async unless checkpoint.async_save=False).
   A step already committed (the regular save of the step a NaN update then stopped at) is
@@ -86,9 +98,15 @@ def save(job: Job, progress: Progress) -> None:
   job.checkpointer.wait()
   if step in job.checkpointer.all_steps():
     job.checkpointer.delete(step)
+  keep = {step, *job.checkpointer.all_steps()}
   if _spills(job):
     job.buffer.spill(buffer_dir(job, step))
-    _prune_spills(job, keep={step, *job.checkpointer.all_steps()})
+    _prune_steps(job.buffer_dir, keep)
+  texts = [(g, e) for g, e in enumerate(job.engine.engines) if drafter_text.keeps_text(e)]
+  for group, engine in texts:
+    drafter_text.spill(engine.history, engine.bank, text_path(job, step, group))
+  if texts:
+    _prune_steps(os.path.join(job.workdir, "drafter_text"), keep)
   job.checkpointer.save(step, _arrays(job), meta)
 
 
@@ -96,12 +114,13 @@ def _spills(job: Job) -> bool:
   return job.buffer is not None and job.config.tlt.spill_buffer
 
 
-def _prune_spills(job: Job, keep: set[int]) -> None:
-  if not os.path.isdir(job.buffer_dir):
+def _prune_steps(directory: str, keep: set[int]) -> None:
+  """Removes the step_<s> folders of `directory` whose step is not kept."""
+  if not os.path.isdir(directory):
     return
-  for name in os.listdir(job.buffer_dir):
+  for name in os.listdir(directory):
     if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) not in keep:
-      shutil.rmtree(os.path.join(job.buffer_dir, name), ignore_errors=True)
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def restore(job: Job) -> Progress | None:
@@ -146,6 +165,16 @@ def _load(job: Job, state: dict, meta: dict) -> None:
   job.data.set_state(_mine(job, meta["data_iterator"]))
   for engine, tuner_state in zip(job.engine.engines, _mine(job, meta["tuners"])):
     engine.tuner.load_state_dict(tuner_state)
+  for group, engine in enumerate(job.engine.engines):
+    path = text_path(job, meta["step"], group)
+    if not drafter_text.keeps_text(engine):
+      continue
+    try:
+      drafter_text.restore(engine.history, engine.bank, path)
+    except (OSError, ValueError, KeyError) as e:  # from before the text was kept, or damaged
+      print(f"[train] {path} is unreadable ({type(e).__name__}: {_first_line(e)}): rollout group "
+            f"{group}'s history and lookup drafters start empty (the run's output is the same; "
+            "only its speed depends on them)", file=sys.stderr)
   if job.spot is not None:
     job.spot.load_state({"params": state["drafter"], "opt_state": state["drafter_opt"]},
                         steps_done=meta["drafter_steps_done"], version=meta["drafter_version"])

@@ -47,6 +47,10 @@ class ResponseBank:
     prompt, tokens = tuple(int(t) for t in prompt), np.asarray(tokens, np.int32)
     self.recent.append((prompt, tokens))
     self._version += 1
+    self._store(prompt, tokens)
+
+  def _store(self, prompt: tuple, tokens: np.ndarray) -> None:
+    """Keeps an earlier response to `prompt`, evicting the oldest beyond the bounds."""
     if not self.history_tokens or len(tokens) > self.history_tokens:
       return
     self._serial += 1
@@ -73,6 +77,21 @@ class ResponseBank:
 
   def clear(self) -> None:
     self.__init__(self.size, self.max_new, self.history_tokens)
+
+  def texts(self) -> tuple[list, list]:
+    """What the bank holds, to restore it after a restart: (recent, stored), each a list of
+    (prompt, tokens) oldest first; an entry in both is the same array object in both."""
+    return list(self.recent), list(self._stored.values())
+
+  def restore(self, recent: list, stored: list) -> None:
+    """Holds exactly what `texts` gave (pairs whose tokens are one object stay one response)."""
+    self.clear()
+    if not self.size:
+      return
+    for prompt, tokens in stored:
+      self._store(tuple(int(t) for t in prompt), tokens)
+    self.recent.extend((tuple(int(t) for t in p), tokens) for p, tokens in recent)
+    self._version += 1
 
   def choose(self, prompts: Iterable[tuple]) -> list[np.ndarray]:
     """The bank for a bucket whose live rows decode `prompts`: their earlier responses, newest

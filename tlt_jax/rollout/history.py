@@ -311,6 +311,37 @@ class HistoryDrafter:
     self.stats.proposed_tokens += sum(len(c) for c in chains)
     return chains
 
+  def texts(self) -> tuple[list, list]:
+    """The finished responses the tries count, to restore them after a restart: (groups, global)
+    with groups [(prompt, [response tokens, oldest first])] least recently used first, global
+    [response tokens] oldest first. Samples still decoding are left out."""
+    groups = [(prompt, [trie.sequences[k].tokens for k in self.finished[prompt]])
+              for prompt, trie in self.groups.items()]
+    global_ = ([self.global_trie.sequences[k].tokens for k in self.global_order]
+               if self.global_trie is not None else [])
+    return groups, global_
+
+  def restore(self, groups: list, global_: list) -> None:
+    """Counts exactly what `texts` gave, in its order, in place of anything recorded; a history
+    with smaller bounds than the one saved evicts as `finish` would."""
+    self.__init__(self.max_order, self.max_group_tokens, self.max_groups, self.global_tokens)
+    for prompt, responses in groups:
+      prompt = tuple(int(t) for t in prompt)
+      trie, done = self._group(prompt), self.finished[prompt]
+      for tokens in responses:
+        trie.add(self._next_key, tokens, head=prompt)
+        done.append(self._next_key)
+        self._next_key += 1
+      while trie.num_tokens > self.max_group_tokens and done:
+        trie.remove(done.popleft())
+    if self.global_trie is not None:
+      for tokens in global_:
+        self.global_trie.add(self._next_key, tokens)
+        self.global_order.append(self._next_key)
+        self._next_key += 1
+        while self.global_trie.num_tokens > self.global_tokens and self.global_order:
+          self.global_trie.remove(self.global_order.popleft())
+
   def finish(self, sample_id: int, tokens) -> None:
     """The sample ended with `tokens`: its response stays as an earlier response of the group."""
     self.extend(sample_id, tokens)
