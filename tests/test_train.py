@@ -3,6 +3,7 @@ every output is written; resume is bitwise (N steps == k steps, stop, resume, N 
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -178,19 +179,30 @@ def _earlier_responses(workdir, step: int) -> list[dict]:
   return out
 
 
-def test_history_arms_resume_with_the_responses_they_drafted_from(history_run, tmp_path):
+def test_history_arms_resume_with_the_responses_they_drafted_from(history_run, tmp_path,
+                                                                  capsys):
   """Stopped after step 1 and resumed, a run with model-free arms gets its history tries and
   lookup banks back from the text written beside step 1's checkpoint: after step 2 each
   rollout group's history holds the same earlier responses per prompt as the run that did not
-  stop (without them it would hold step 2's alone)."""
+  stop. A copy of the stopped run without that text resumes too, saying so in one line, its
+  drafters empty: after step 2 they hold step 2's responses alone."""
   straight_dir, _ = history_run
   train.run(_history_config(tmp_path / "resumed", 1))
+  shutil.copytree(tmp_path / "resumed", tmp_path / "no_text")
+  shutil.rmtree(tmp_path / "no_text" / "drafter_text")
   assert train.run(_history_config(tmp_path / "resumed", 2))["resumed_from"] == 1
   step_1, step_2 = (_earlier_responses(straight_dir, s) for s in (1, 2))
   held = lambda groups: sum(len(rs) for g in groups for rs in g.values())
   assert held(step_1) > 0 and held(step_2) > held(step_1)
   assert _earlier_responses(tmp_path / "resumed", 2) == step_2
   assert sorted(os.listdir(tmp_path / "resumed" / "drafter_text")) == ["step_1", "step_2"]
+
+  capsys.readouterr()
+  assert train.run(_history_config(tmp_path / "no_text", 2))["resumed_from"] == 1
+  missing = [line for line in capsys.readouterr().err.splitlines() if "drafter_text" in line]
+  assert len(missing) == 2 and all("group_" in line and "is missing" in line
+                                    and "start empty" in line for line in missing), missing
+  assert held(_earlier_responses(tmp_path / "no_text", 2)) == held(step_2) - held(step_1)
 
 
 def test_resume_is_bitwise(plain_run, tmp_path, _on_two_devices):

@@ -172,9 +172,11 @@ def _load(job: Job, state: dict, meta: dict) -> None:
     try:
       drafter_text.restore(engine.history, engine.bank, path)
     except (OSError, ValueError, KeyError) as e:  # from before the text was kept, or damaged
-      print(f"[train] {path} is unreadable ({type(e).__name__}: {_first_line(e)}): rollout group "
-            f"{group}'s history and lookup drafters start empty (the run's output is the same; "
-            "only its speed depends on them)", file=sys.stderr)
+      problem = ("is missing" if isinstance(e, FileNotFoundError)
+                 else f"is unreadable ({type(e).__name__}: {_first_line(e)})")
+      print(f"[train] {path} {problem}: rollout group {group}'s history and lookup drafters "
+            "start empty (the run's output is the same; only its speed depends on them)",
+            file=sys.stderr)
   if job.spot is not None:
     job.spot.load_state({"params": state["drafter"], "opt_state": state["drafter_opt"]},
                         steps_done=meta["drafter_steps_done"], version=meta["drafter_version"])
