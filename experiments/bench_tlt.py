@@ -246,22 +246,17 @@ def main() -> None:
   if "static_drafter" in variants:
     speedups["speedup_static_end_to_end"] = (base["step_s_total"]
                                              / variants["static_drafter"]["step_s_total"])
-  if "history" in variants:  # history arms only (no learned drafter), the tuner free
-    hist = variants["history"]
-    speedups.update(speedup_end_to_end_history=base["step_s_total"] / hist["step_s_total"],
-                    speedup_rollout_history=base["rollout_s_total"] / hist["rollout_s_total"],
-                    speedup_end_to_end_history_by_repeat=paired("history"),
-                    sd_chunk_fraction_history_by_step=[
-                        [s["sd_chunk_fraction"] for s in run["per_step"]]
-                        for run in runs["history"]])
-  if "combined" in variants:  # the learned drafter's chains and its combined trees, the tuner free
-    comb = variants["combined"]
-    speedups.update(speedup_end_to_end_combined=base["step_s_total"] / comb["step_s_total"],
-                    speedup_rollout_combined=base["rollout_s_total"] / comb["rollout_s_total"],
-                    speedup_end_to_end_combined_by_repeat=paired("combined"),
-                    sd_chunk_fraction_combined_by_step=[
-                        [s["sd_chunk_fraction"] for s in run["per_step"]]
-                        for run in runs["combined"]])
+  # The tuner free over off and model-free arms (history), or the learned drafter's chains and
+  # its combined trees (combined): each variant's figures under its own suffix.
+  for name in ("history", "combined"):
+    if name in variants:
+      v = variants[name]
+      speedups.update({
+          f"speedup_end_to_end_{name}": base["step_s_total"] / v["step_s_total"],
+          f"speedup_rollout_{name}": base["rollout_s_total"] / v["rollout_s_total"],
+          f"speedup_end_to_end_{name}_by_repeat": paired(name),
+          f"sd_chunk_fraction_{name}_by_step": [[s["sd_chunk_fraction"] for s in run["per_step"]]
+                                                for run in runs[name]]})
   result = {
       "machine": f"{platform.machine()} {os.cpu_count()} cpus, 2 host devices",
       "config": f"tiny_arith, mix {MIX}, 8 prompts x 4 samples, {args.groups} rollout groups",
