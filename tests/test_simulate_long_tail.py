@@ -192,23 +192,30 @@ def test_shared_compute_slows_the_tail_beside_the_drafter():
 def test_simulator_with_measured_cpu_costs_reproduces_bench_tlt():
   """Issue 23: the simulator, driven by step costs measured on this CPU
   (step_costs_bench_tlt_cpu.json), bench_tlt's own response lengths (tlt_lengths.json, a replay
-  of its trajectory) and its measured accept lengths and train time, against bench_tlt's
-  measured end-to-end ratio (tlt.json), within 15%. The tuner's arm per bucket is not recorded:
-  the simulation takes the arm it settles on (the cheaper measured round per bucket). Not
+  of its trajectory), the arms its tuner ran in each step with their accept lengths, and its
+  train time, against bench_tlt's measured end-to-end ratio (tlt.json), within 15%. Not
   fitted: no input is taken from the ratios."""
   from experiments import simulate_bench_tlt
 
   report = simulate_bench_tlt.build()
-  assert report["inputs"]["lengths"].endswith("{'reward_mean_by_step': True, "
-                                              "'response_len_max': True})")
+  assert report["inputs"]["same_trajectory_as_tlt_json"] == {"reward_mean_by_step": True,
+                                                             "response_len_max": True}
+  # The tuner ran SD in only part of the chunks, and more than one arm.
+  shares = [mix for mix in report["inputs"]["arms_by_step"]["tlt"]]
+  assert all(0 < mix["off"][0] < 1 for mix in shares)
+  assert any({"chain2", "chain4"} <= set(mix) for mix in shares)
   measured = report["measured"]["speedup_end_to_end"]
-  tuner = report["simulated"]["tuner"]
-  assert tuner["contention"]
-  assert abs(tuner["speedup_end_to_end"] - measured) / measured <= simulate_bench_tlt.TOLERANCE, (
-      tuner["speedup_end_to_end"], measured)
-  # A tuner stuck on the dearer arm everywhere is priced too, and is slower than the choice.
-  assert report["simulated"]["chain4"]["speedup_end_to_end"] < tuner["speedup_end_to_end"]
-  # The shared cores are why TLT is no faster than the static drafter here (measured 0.938 vs
-  # 0.945 and 0.934 vs 0.920 in two runs, inside their spread; the online drafter's steps take
-  # the cores decode needs): the simulator orders them so.
-  assert tuner["speedup_end_to_end"] < tuner["speedup_static_end_to_end"]
+  sim = report["simulated"]["measured"]
+  assert sim["contention"]
+  assert abs(sim["speedup_end_to_end"] - measured) / measured <= simulate_bench_tlt.TOLERANCE, (
+      sim["speedup_end_to_end"], measured)
+  static = report["measured"]["speedup_static_end_to_end"]
+  assert abs(sim["speedup_static_end_to_end"] - static) / static <= simulate_bench_tlt.TOLERANCE
+  # chain4 in every chunk (its rounds 0.9-2.0x chain2's here) is priced too, and is slower.
+  assert report["simulated"]["chain4"]["speedup_end_to_end"] < sim["speedup_end_to_end"]
+  # The shared cores are why TLT is no faster than the static drafter here (measured 0.975 vs
+  # 1.006; the online drafter's steps take the cores decode needs): the simulator orders them
+  # so, and without the contention it does not.
+  assert sim["speedup_end_to_end"] < sim["speedup_static_end_to_end"]
+  independent = report["simulated_independent_devices"]["measured"]
+  assert independent["speedup_end_to_end"] > independent["speedup_static_end_to_end"]
