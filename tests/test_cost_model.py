@@ -2,6 +2,7 @@
 script's output schema."""
 
 import dataclasses
+import json
 import os
 
 import jax
@@ -267,3 +268,27 @@ def test_history_round_is_the_verify_alone_in_one_call():
   assert hist.flops < learned.flops and hist.bytes < learned.bytes
   assert predict.adapted_accept(tuner.history_arm(4)) == predict.static_accept(
       tuner.history_arm(4))
+
+
+def test_model_free_accept_lengths_are_the_replay_measurements(tmp_path, monkeypatch):
+  # The committed replay (bench_lookup_replay on bench_tlt's job) is what the planner prices
+  # lookup and history arms with, arm by arm.
+  with open(predict.LOOKUP_REPLAY_JSON) as f:
+    committed = {a["arm"]: a["accept_len"] for a in json.load(f)["arms"]}
+  for name in ("lookup_chain2", "lookup_chain4", "lookup_tree4_3", "history_chain4"):
+    assert predict.static_accept(tuner.parse_arms(name)[-1]) == committed[name]
+  # Another replay file changes them; arms it lacks fall back: a lookup tree to its depth's
+  # chain (its first chain), a history chain to the earlier replay's figure.
+  replay = tmp_path / "lookup_replay.json"
+  replay.write_text(json.dumps({"arms": [{"arm": "lookup_chain4", "accept_len": 3.25},
+                                         {"arm": "history_chain2", "accept_len": 1.5}]}))
+  monkeypatch.setattr(predict, "LOOKUP_REPLAY_JSON", str(replay))
+  accept = lambda name: predict.static_accept(tuner.parse_arms(name)[-1])
+  assert (accept("lookup_chain4"), accept("lookup_tree4_2")) == (3.25, 3.25)
+  assert (accept("history_chain2"), accept("history_chain4")) == (1.5, 2.17)
+  assert accept("lookup_chain2") == 1.88  # neither replayed: the earlier history replay's
+  assert accept("history_chain4") == predict.adapted_accept(tuner.parse_arms("history_chain4")[-1])
+  # Without a replay file (a wheel install): the earlier replay's figures alone.
+  monkeypatch.setattr(predict, "LOOKUP_REPLAY_JSON", str(tmp_path / "absent.json"))
+  assert (accept("lookup_chain4"), accept("history_chain8")) == (2.17, 2.36)
+  assert "no lookup_replay.json" in predict._model_free_sources()["lookup"]

@@ -12,7 +12,9 @@ sync) and the long-tail simulation of SD off, static SD and TLT driven by those 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
+import json
 import os
 from typing import NamedTuple
 
@@ -182,25 +184,54 @@ HARDWARE_OF = {"qwen2_5_7b_8gpu": "h100_sxm", "qwen2_5_32b_multihost": "h100_sxm
                "r1_distill_qwen_7b_v5p64": "tpu_v5p"}
 
 
-# History chains (model-free): tokens per round measured by replaying 24 GRPO groups (8 prompts x
-# 4 samples, 3 steps) of the tiny arithmetic policy through `HistoryDrafter` with a 4096-token
-# global trie, rows advancing in lockstep as in one bucket. An assumption anywhere else: no
-# published accept lengths of Seer / SuffixDecoding fit this drafter as configured here.
+# Model-free arms (history / lookup): tokens per round measured on this repository's own GRPO
+# rollouts, by `experiments/bench_lookup_replay.py` (bench_tlt's job: tiny_arith, 8 prompts x 4
+# samples, 10 steps, every prompt new; its lookup_replay.json holds one `accept_len` per arm:
+# lookup chains and trees, history_chain4 and history trees). Arms it does not replay take
+# HISTORY_ACCEPT, an earlier replay of 24 groups (3 steps) through `HistoryDrafter` with a
+# 4096-token global trie. An assumption anywhere else: no published accept lengths of Seer /
+# SuffixDecoding fit these drafters as configured here.
+LOOKUP_REPLAY_JSON = os.path.join(measured.RESULTS_DIR, "lookup_replay.json")
 HISTORY_ACCEPT = {"history_chain2": 1.88, "history_chain4": 2.17, "history_chain8": 2.36}
-ACCEPT_SOURCES["history"] = ("history_chain2/4/8 1.88/2.17/2.36: replay of tiny_arith GRPO "
-                             "groups through rollout.history (this repo); spot training does not "
-                             "change them")
-ACCEPT_SOURCES["lookup"] = ("lookup_chainN: assumed the history_chainN replay's figures (the "
-                            "same prompt and sibling text, a bank of recent responses in place "
-                            "of the global trie; not replayed separately); lookup_treeD_W: the "
-                            "same as lookup_chainD (a lower bound: its first chain is that "
-                            "chain)")
+
+
+def replayed_accept() -> dict[str, float]:
+  """{arm name: accept length} from LOOKUP_REPLAY_JSON; {} without it (a wheel install has no
+  experiments/results)."""
+  return _read_replay(LOOKUP_REPLAY_JSON)
+
+
+@functools.cache
+def _read_replay(path: str) -> dict[str, float]:
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return {a["arm"]: float(a["accept_len"]) for a in json.load(f)["arms"]}
+
+
+def _model_free_sources() -> dict[str, str]:
+  replayed = replayed_accept()
+  fallback = ("history_chain2/4/8 1.88/2.17/2.36 where not replayed: an earlier replay of 24 "
+              "tiny_arith GRPO groups through rollout.history (this repo); a lookup tree not "
+              "replayed: its depth's lookup chain (a lower bound)")
+  if not replayed:
+    return {"history": fallback, "lookup": "lookup_chainN / lookup_treeD_W: history_chainN's / "
+                                           "history_chainD's (no lookup_replay.json here)"}
+  figures = ", ".join(f"{k} {v:.2f}" for k, v in sorted(replayed.items()))
+  return {"model_free": f"{figures}: experiments/bench_lookup_replay.py on bench_tlt's job "
+                        f"(experiments/results/lookup_replay.json, every prompt new); "
+                        f"{fallback}; spot training does not change them"}
 
 
 def static_accept(arm: Arm) -> float:
   if arm.is_history or arm.is_lookup:
-    depth_name = f"history_chain{arm.depth}"
-    return HISTORY_ACCEPT.get(depth_name, min(HISTORY_ACCEPT["history_chain8"], arm.depth + 1.0))
+    replayed = replayed_accept()
+    if arm.name in replayed:
+      return replayed[arm.name]
+    if arm.is_lookup and f"lookup_chain{arm.depth}" in replayed:  # a tree's first chain: a bound
+      return replayed[f"lookup_chain{arm.depth}"]
+    return HISTORY_ACCEPT.get(f"history_chain{arm.depth}",
+                              min(HISTORY_ACCEPT["history_chain8"], arm.depth + 1.0))
   if getattr(arm, "is_combined", False):  # its learned chain's, a lower bound
     return STATIC_ACCEPT.get(f"chain{arm.depth}", min(1.0 + 0.3 * arm.depth, arm.depth + 1.0))
   if arm.is_tree:
@@ -397,7 +428,8 @@ def assumptions(c, hw: Hardware, j: dict, context: float, train_seq: int) -> dic
                           f": assumed), cut at max_new_tokens {j['max_new']}",
       "decode_context": f"{context:g} slots attended per step (prompt {j['prompt']} + median "
                         "response): one context for the whole rollout",
-      "accept_len_static": {k: v for k, v in ACCEPT_SOURCES.items() if k != "tlt_gain"},
+      "accept_len_static": {**{k: v for k, v in ACCEPT_SOURCES.items() if k != "tlt_gain"},
+                            **_model_free_sources()},
       "accept_gain_online_drafter": ACCEPT_SOURCES["tlt_gain"],
       "train": f"policy step at the roofline: {j['samples']} x {train_seq} tokens, LoRA rank "
                f"{c.lora.rank}, old-log-prob forward (+ reference if rl.kl_coef), all "
