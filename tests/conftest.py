@@ -161,10 +161,26 @@ def smoke_run(tmp_path_factory):
   return c.workdir, train.run(c, "tiny_arith-smoke")
 
 
+# The groups that take longest (seconds summed over their tests, `pytest --durations=0` on the
+# 2-core CI machine, stop 39): they start first, so no long group is left to start when the
+# other worker has run out of work. Only the order depends on it: a stale list costs time, not
+# correctness.
+SLOWEST_GROUPS_FIRST = ("test_rollout", "smoke_run", "test_faults", "test_trainer",
+                        "test_multiprocess", "test_train", "test_contracts", "test_plan",
+                        "test_scheduler", "test_bad_input", "test_notebooks", "test_kernels",
+                        "test_evaluate")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
   """Groups for `pytest -n 2 --dist loadgroup`: each module's tests stay on one worker (its
   module fixtures and compiled programs are built once), and the tests of every module that
-  use the session's smoke run share a worker too, so that run is trained once."""
+  use the session's smoke run share a worker too, so that run is trained once. The slowest
+  groups come first (xdist hands groups out in collection order)."""
+  groups = {}
   for item in items:
     group = "smoke_run" if "smoke_run" in item.fixturenames else item.module.__name__
+    groups[item.nodeid] = group
     item.add_marker(pytest.mark.xdist_group(group))
+  rank = {g: i for i, g in enumerate(SLOWEST_GROUPS_FIRST)}
+  items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))  # stable: order kept

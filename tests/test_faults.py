@@ -297,19 +297,24 @@ class _StartLine:
 
 
 def _phase_times(straight) -> dict:
-  """Per step of the uninterrupted run: its rollout and update seconds; and one eval's."""
-  rows = {r["step"]: r for r in metrics.read_jsonl(os.path.join(straight, "metrics.jsonl"))
-          if "reward_mean" in r}
+  """The uninterrupted run's step count and, per phase, its quickest step's seconds (rollout,
+  update) and one eval's. The quickest, not each step's own: a step slowed by the other test
+  worker's load (an update of 2.5 s beside 0.6 s ones) would aim a kill past the phase, past
+  the step's checkpoint, and shift the rest of the chain; a kill aimed by the quickest step
+  lands early in the phase at worst."""
+  rows = [r for r in metrics.read_jsonl(os.path.join(straight, "metrics.jsonl"))
+          if "reward_mean" in r]
   with open(os.path.join(straight, "summary.json")) as f:
     eval_s = json.load(f)["eval_s"] / 2
-  return {"rollout": {s: r["rollout_s"] for s, r in rows.items()},
-          "update": {s: r["train_s"] for s, r in rows.items()}, "eval": eval_s}
+  return {"steps": max(r["step"] for r in rows), "eval": eval_s,
+          "rollout": min(r["rollout_s"] for r in rows),
+          "update": min(r["train_s"] for r in rows)}
 
 
 def _kill_chain(workdir, cli, chain, times, rng, log) -> list[str]:
   """Starts `cli` on `workdir` once per point of `chain`, SIGKILLs it there; returns one line
   per kill: where it aimed, when it struck, what it left behind."""
-  steps = max(times["rollout"])
+  steps = times["steps"]
   kills = []
   for i, point in enumerate(chain):
     u = float(rng.uniform(0.1, 0.9))
@@ -335,13 +340,13 @@ def _kill_chain(workdir, cli, chain, times, rng, log) -> list[str]:
         if point in ("rollout", "update") and first > steps:  # resumed after the last step
           aim, delay = "final eval", u * times["eval"]
         elif point == "rollout":
-          aim, delay = f"step {first} rollout", u * times["rollout"][first]
+          aim, delay = f"step {first} rollout", u * times["rollout"]
         elif point == "update":
           aim = f"step {first} update"
-          delay = times["rollout"][first] + u * times["update"][first]
+          delay = times["rollout"] + u * times["update"]
         elif point == "next_rollout":
           step = int(os.path.basename(seen))
-          aim, delay = ((f"step {step + 1} rollout", u * times["rollout"][step + 1])
+          aim, delay = ((f"step {step + 1} rollout", u * times["rollout"])
                         if step < steps else ("final eval", u * times["eval"]))
         else:  # checkpoint, spill, export: at once, the write has only begun
           aim, delay = f"{point} write", u * 0.01
