@@ -318,7 +318,8 @@ def _copy(run_workdir, tmp_path):
   return workdir
 
 
-def test_a_checkpoint_whose_arrays_are_corrupt_is_named_with_its_step(tmp_path, run_workdir):
+def test_a_checkpoint_whose_arrays_are_corrupt_is_named_with_its_step(tmp_path, run_workdir,
+                                                                    capsys):
   """Every OCDBT data file of the params item emptied (a copy or write cut short at its start).
   Halving only the per-process files, as before, let restore succeed once in CI (not reproduced
   since); the likely cause is that where the writer puts each array and index node varies per
@@ -338,6 +339,11 @@ def test_a_checkpoint_whose_arrays_are_corrupt_is_named_with_its_step(tmp_path, 
   finally:
     j.close()
   assert "\n" not in str(e.value) and "move the directory away" in str(e.value)
+  # The emptied file, named; not the array's whole TensorStore spec (1.5 kB) TensorStore adds.
+  line = capsys.readouterr().err.strip()
+  assert line.startswith(f"[train] checkpoint step 0 in {workdir}/checkpoints is unreadable")
+  assert re.search(rf"of local file \"{re.escape(params)}/d/\w+\"", line), line
+  assert "tensorstore_spec" not in line + str(e.value), line
 
 
 def test_resuming_under_another_lora_rank_names_the_key(tmp_path, run_workdir):

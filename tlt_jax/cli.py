@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+import re
 import sys
 import traceback
 
@@ -24,10 +25,18 @@ EXIT_BAD_INPUT = 2
 BAD_INPUT = (ValueError, FileNotFoundError)
 
 
-def _one_line(message: str) -> str:
+# TensorStore (under every Orbax restore) ends each error with the whole spec of the array it
+# was opening, about 1.5 kB of JSON (context, drivers, cache sizes); the path and byte range
+# before it say what is wrong.
+_TENSORSTORE_SPEC = re.compile(r" \[tensorstore_spec='.*?'\]")
+
+
+def one_line(message: str) -> str:
   """A message on one line; a traceback embedded in it (ml_collections puts the config file's
-  into its flag error) is cut down to the line before it and the exception it ends with."""
-  lines = [line.strip() for line in message.splitlines() if line.strip()]
+  into its flag error) is cut down to the line before it and the exception it ends with, and
+  TensorStore's spec is dropped."""
+  lines = [line.strip() for line in _TENSORSTORE_SPEC.sub("", message).splitlines()
+           if line.strip()]
   if any(line.startswith("Traceback (most recent call last)") for line in lines):
     lines = [lines[0], lines[-1]]
   return " ".join(lines)
@@ -52,7 +61,7 @@ def fail(message: str, *, show_traceback: bool = False) -> None:
   exits with EXIT_BAD_INPUT."""
   if show_traceback and sys.exc_info()[0] is not None:
     traceback.print_exc()
-  print(f"error: {_one_line(message)}", file=sys.stderr)
+  print(f"error: {one_line(message)}", file=sys.stderr)
   sys.exit(EXIT_BAD_INPUT)
 
 

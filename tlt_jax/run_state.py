@@ -33,7 +33,7 @@ import sys
 import jax
 
 from tlt_jax import config as config_lib
-from tlt_jax import multihost
+from tlt_jax import cli, multihost
 from tlt_jax.job import Job
 from tlt_jax.rollout import drafter_text
 from tlt_jax.tlt.buffer import DrafterBuffer
@@ -156,7 +156,7 @@ def restore(job: Job) -> Progress | None:
 
 
 def _first_line(e: Exception) -> str:
-  return str(e).splitlines()[0] if str(e) else ""
+  return cli.one_line(str(e).splitlines()[0]) if str(e) else ""
 
 
 def _load(job: Job, state: dict, meta: dict) -> None:
