@@ -339,7 +339,7 @@ def test_a_checkpoint_whose_arrays_are_corrupt_is_named_with_its_step(tmp_path, 
   finally:
     j.close()
   assert "\n" not in str(e.value) and "move the directory away" in str(e.value)
-  # The emptied file, named; not the array's whole TensorStore spec (1.5 kB) TensorStore adds.
+  # The printed line names the emptied file, without TensorStore's 1.5 kB spec of the array.
   line = capsys.readouterr().err.strip()
   assert line.startswith(f"[train] checkpoint step 0 in {workdir}/checkpoints is unreadable")
   assert re.search(rf"of local file \"{re.escape(params)}/d/\w+\"", line), line
