@@ -177,10 +177,10 @@ def pytest_collection_modifyitems(config, items):
   module fixtures and compiled programs are built once), and the tests of every module that
   use the session's smoke run share a worker too, so that run is trained once. The slowest
   groups come first (xdist hands groups out in collection order)."""
-  groups = {}
+  def group(item) -> str:
+    return "smoke_run" if "smoke_run" in item.fixturenames else item.module.__name__
+
   for item in items:
-    group = "smoke_run" if "smoke_run" in item.fixturenames else item.module.__name__
-    groups[item.nodeid] = group
-    item.add_marker(pytest.mark.xdist_group(group))
+    item.add_marker(pytest.mark.xdist_group(group(item)))
   rank = {g: i for i, g in enumerate(SLOWEST_GROUPS_FIRST)}
-  items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))  # stable: order kept
+  items.sort(key=lambda item: rank.get(group(item), len(rank)))  # stable: order kept
