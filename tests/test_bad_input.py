@@ -384,7 +384,8 @@ def _smoke_args(workdir):
   return [f"--config={TINY_ARITH_CONFIG}:smoke", f"--config.workdir={workdir}",
           "--config.rl.steps=1", "--config.eval.num_problems=2", "--config.numerics=xla",
           "--config.rollout.buckets=(4,)", "--config.rollout.max_new_tokens=8",
-          "--config.rollout.prompts_per_step=2", "--config.rollout.group_size=2",
+          "--config.rl.length_bucket=64", "--config.rollout.prompts_per_step=2",
+          "--config.rollout.group_size=2",
           "--config.metrics.plots=False", "--config.metrics.tensorboard=False",
           "--config.checkpoint.export_merged=False", "--config.checkpoint.export_adapter=False"]
 

@@ -50,6 +50,7 @@ def test_default_builds_a_model_config():
                                  r"'chain4', 'off'\]")),
     ("tlt.arms", "chain2,chian4", r"tlt.arms='chain2,chian4': unknown SD arm 'chian4'"),
     ("compile.workers", -1, r"compile.workers=-1 must be >= 0"),
+    ("rl.length_bucket", 0, r"rl.length_bucket=0 must be >= 1"),
 ])
 def test_values_that_change_the_run_s_meaning_are_refused_by_key(key, value, message):
   """Each is one line naming the key; tlt.fixed_arm is checked with tlt.enabled=False too (it

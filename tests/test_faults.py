@@ -116,11 +116,14 @@ def test_a_run_killed_before_its_first_checkpoint_starts_its_metrics_over(tmp_pa
 
 
 def _cli(workdir, steps):
-  """A short smoke run, every step checkpointed, as a user starts it."""
+  """A short smoke run, every step checkpointed, as a user starts it. One length bucket for
+  the trainer's chunks (one train-step program, not three): each of the chain's restarts traces
+  and lowers every program again, the persistent cache saves only XLA's compile."""
   return [sys.executable, "-m", "tlt_jax.train", f"--config={TINY_ARITH_CONFIG}:smoke",
           f"--config.workdir={workdir}", f"--config.rl.steps={steps}",
           "--config.eval.num_problems=8", "--config.checkpoint.every=1",
-          "--config.rollout.buckets=(4,16)", "--config.metrics.plots=False",
+          "--config.rollout.buckets=(4,16)", "--config.rl.length_bucket=128",
+          "--config.metrics.plots=False",
           "--config.metrics.tensorboard=False", "--config.metrics.progress=False"]
 
 
@@ -226,10 +229,12 @@ KILL_SEED = int(os.environ.get("TLT_KILL_SEED", "26"))
 #                 the write went on) or, after the last step's, the final eval
 #   spill         a step's drafter buffer spill, right after it starts (TLT)
 #   export        the final export
-# With 3 steps: step 1 killed three times before its checkpoint commits, then a kill after
-# each commit moves the chain one step on, and the last run dies in its export.
-PLAIN_CHAIN = ("rollout", "update", "checkpoint", "next_rollout", "update", "checkpoint",
-               "next_rollout", "update", "checkpoint", "export")
+# With 3 steps: step 1 killed three times before its checkpoint commits (rollout, update, its
+# write), step 2 in its rollout and in its write, step 3 in its rollout, then the final eval,
+# and the last run dies in its export. Every kill is a restart (tracing, loading the compiled
+# programs), so no kind of point comes more than twice.
+PLAIN_CHAIN = ("rollout", "update", "checkpoint", "next_rollout", "checkpoint", "next_rollout",
+               "next_rollout", "export")
 _EVENT = {"rollout": "start", "update": "start", "checkpoint": "checkpoint",
           "next_rollout": "commit", "spill": "spill", "export": "export"}
 # event: (glob under the workdir, the paths of it that count)
@@ -381,7 +386,7 @@ def _killed_and_finished(straight, workdir, cli, chain, record_property) -> list
 
 
 def test_killed_anywhere_resumes_bitwise(straight, tmp_path, record_property):
-  """SIGKILL at 10 seeded points spread over a run (before its first checkpoint, in rollouts
+  """SIGKILL at 8 seeded points spread over a run (before its first checkpoint, in rollouts
   and updates, during async checkpoint writes, during the final export), each time resumed
   by the same command on the same workdir, which finally finishes: the run is bitwise the
   uninterrupted one."""

@@ -35,6 +35,7 @@ def test_sweep_writes_table_and_plot_and_reports_a_failed_point(tmp_path):
   out = tmp_path / "sweep"
   cmd = [sys.executable, "-m", "experiments.sweep", f"--config={TINY_ARITH_CONFIG}:smoke",
          "--grid", "rl.algorithm=grpo,bogus", "--set", "rl.steps=2",
+         "--set", "rl.length_bucket=128",  # one train-step program per point
          "--set", "eval.num_problems=8", "--set", "checkpoint.export_adapter=false",
          "--set", "checkpoint.export_merged=false", "--set", "metrics.tensorboard=false",
          "--set", "metrics.plots=false", f"--out={out}"]

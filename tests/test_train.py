@@ -81,11 +81,12 @@ def _assert_same_adapter(a, b):
 
 
 def _short_config(workdir, steps: int, tlt: bool = False):
-  """Two-bucket smoke runs of a few steps, checkpointed every step."""
+  """Two-bucket smoke runs of a few steps, checkpointed every step, with one train-step program
+  to compile (one length bucket for the trainer's chunks)."""
   c = _config()
   c.workdir, c.rl.steps = str(workdir), steps
   c.eval.num_problems, c.checkpoint.every = 8, 1
-  c.rollout.buckets = (4, 16)
+  c.rollout.buckets, c.rl.length_bucket = (4, 16), 128
   c.metrics.plots = c.metrics.tensorboard = False
   if tlt:
     c.rollout.groups = 2

@@ -113,6 +113,9 @@ def default_config() -> ml_collections.ConfigDict:
       lr=2e-3, warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
       minibatches=1, epochs=1, eps_low=-1.0, eps_high=-1.0,  # < 0 = the loss's default
       chunk_rows=16,  # rows per length-sorted train chunk (gradients accumulate over chunks)
+      # chunks are padded to a multiple of this many tokens: one compiled train step per
+      # multiple up to the longest row (larger = fewer programs to compile, more padding)
+      length_bucket=32,
       # mesh.model > 1 with batch_invariant numerics: split the model exactly (sampler ==
       # trainer log-probs bitwise; the logits' gradient whole on every device), or as XLA does
       # (1/model of it; last-bit differences: logp_abs_diff_max)
@@ -261,7 +264,7 @@ def _run_problems(c: ml_collections.ConfigDict) -> list[str]:
                     f"{sorted(algorithms.LOSSES)}")
   if rl.kl_estimator not in ("k1", "k3"):
     problems.append(f"rl.kl_estimator={rl.kl_estimator!r} must be 'k1' or 'k3'")
-  for key in ("minibatches", "epochs", "chunk_rows"):
+  for key in ("minibatches", "epochs", "chunk_rows", "length_bucket"):
     if rl[key] < 1:
       problems.append(f"rl.{key}={rl[key]} must be >= 1")
   if rl.dapo_max_rollouts < 1:

@@ -102,7 +102,8 @@ class TrainConfig:
         epochs=rl.epochs, eps_low=rl.eps_low if rl.eps_low >= 0 else None,
         eps_high=rl.eps_high if rl.eps_high >= 0 else None, kl_coef=rl.kl_coef,
         kl_estimator=rl.kl_estimator, tis_cap=rl.tis_cap, max_response_len=r.max_new_tokens,
-        chunk_rows=rl.chunk_rows, exact_tensor_parallel=rl.exact_tensor_parallel,
+        chunk_rows=rl.chunk_rows, length_bucket=rl.length_bucket,
+        exact_tensor_parallel=rl.exact_tensor_parallel,
         tp_regather=rl.tp_regather,
         sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p))
 
